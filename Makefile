@@ -1,0 +1,38 @@
+# The two set-up commands: `make demo` (whole demo, install included) and `make test`.
+# Both create .venv on first use. Torch is pinned to the local CPU build and installed first;
+# DeepSpeed builds against it, so it goes next without build isolation.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.eagleray-installed
+DEMO := runs/demo
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export RAY_USAGE_STATS_ENABLED := 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test install clean-demo
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) (first run only, ~2 minutes)"
+	@$(PIP) torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@$(PIP) --no-build-isolation deepspeed 2>&1 | grep -v "is ignored" || true
+	@$(PIP) -e ".[test]" 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import ray, deepspeed, transformers, pyarrow, safetensors, zstandard, pydantic, openai, pytest"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
+	$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo --corpus $(DEMO)/corpus/train.jsonl --reuse
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean-demo:
+	rm -rf $(DEMO)

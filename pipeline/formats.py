@@ -1,0 +1,133 @@
+"""Corpus record formats (DESIGN §2.1): ShareGPT, UltraChat / OpenAI messages, question-answer pairs.
+
+`normalise` turns one parsed record into `[{role, content}]` or a reject reason; `read_records` walks a
+.json (list) or .jsonl file and yields (line number, record or None, reason or None), so a broken line
+is a counted reject and never stops the reader.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+ROLE_ALIASES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+    "chatgpt": "assistant", "model": "assistant", "system": "system",
+}
+FORMATS = ("sharegpt", "ultrachat", "qa", "auto")
+
+
+class Reject(Exception):
+    """A record that cannot be normalised; `reason` is a short stable key counted in stats."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def detect_format(obj: Any) -> str:
+    if not isinstance(obj, dict):
+        raise Reject("wrong_type", f"record is {type(obj).__name__}, expected an object")
+    if "conversations" in obj:
+        return "sharegpt"
+    if "messages" in obj:
+        return "ultrachat"
+    if "question" in obj and "answer" in obj:
+        return "qa"
+    raise Reject("missing_turns", "no 'conversations' or 'messages' field")
+
+
+def normalise(obj: Any, fmt: str = "auto") -> list[dict]:
+    """One record -> [{role, content}], roles user/assistant/system; raise Reject with a reason."""
+    found = detect_format(obj)
+    if fmt != "auto" and found != fmt:
+        raise Reject("format_mismatch", f"looks like {found}, source declared {fmt}")
+    if found == "qa":
+        turns = [{"role": "user", "content": obj["question"]}, {"role": "assistant", "content": obj["answer"]}]
+    else:
+        raw = obj["conversations"] if found == "sharegpt" else obj["messages"]
+        role_key, text_key = ("from", "value") if found == "sharegpt" else ("role", "content")
+        if not isinstance(raw, list):
+            raise Reject("wrong_type", f"'{'conversations' if found == 'sharegpt' else 'messages'}' is not a list")
+        turns = []
+        for t in raw:
+            if not isinstance(t, dict):
+                raise Reject("wrong_type", "a turn is not an object")
+            role = ROLE_ALIASES.get(str(t.get(role_key, t.get("role", t.get("from", "")))).lower())
+            if role is None:
+                raise Reject("unknown_role", repr(t.get(role_key)))
+            turns.append({"role": role, "content": t.get(text_key, t.get("content", t.get("value")))})
+    for t in turns:
+        if not isinstance(t["content"], str):
+            raise Reject("non_string_content", type(t["content"]).__name__)
+        if not t["content"].strip():
+            raise Reject("empty_content", t["role"])
+    return check_order(turns)
+
+
+def check_order(turns: list[dict]) -> list[dict]:
+    """System turns only first; then user/assistant alternating from a user; at least one assistant."""
+    body = turns
+    while body and body[0]["role"] == "system":
+        body = body[1:]
+    if not body:
+        raise Reject("system_only" if turns else "missing_turns")
+    if any(t["role"] == "system" for t in body):
+        raise Reject("misplaced_system")
+    if body[0]["role"] != "user":
+        raise Reject("assistant_first")
+    if not any(t["role"] == "assistant" for t in body):
+        raise Reject("no_assistant")
+    for a, b in zip(body, body[1:]):
+        if a["role"] == b["role"]:
+            raise Reject("not_alternating", a["role"])
+    # A trailing user turn has no answer to learn from: drop it rather than the record.
+    if body[-1]["role"] == "user":
+        turns = turns[:-1]
+    return turns
+
+
+def read_records(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield (index, parsed object or None, parse-failure reason or None) for .json or .jsonl."""
+    path = Path(path)
+    data = path.read_bytes()
+    if path.suffix == ".json" or data.lstrip()[:1] == b"[":
+        try:
+            items = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            yield 0, None, "invalid_utf8"
+            return
+        except json.JSONDecodeError:
+            yield 0, None, "broken_json"
+            return
+        if not isinstance(items, list):
+            items = [items]
+        for i, obj in enumerate(items):
+            yield i, obj, None
+        return
+    for i, line in enumerate(data.split(b"\n")):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            yield i, None, "invalid_utf8"
+            continue
+        try:
+            yield i, json.loads(text), None
+        except json.JSONDecodeError:
+            yield i, None, "broken_json"
+
+
+def load_conversations(path: str | Path, fmt: str = "auto") -> tuple[list[list[dict]], dict[str, int]]:
+    """All normalisable conversations of a file plus reject counts by reason (simple, single-process)."""
+    convs, rejects = [], {}
+    for _, obj, reason in read_records(path):
+        if reason is None:
+            try:
+                convs.append(normalise(obj, fmt))
+                continue
+            except Reject as r:
+                reason = r.reason
+        rejects[reason] = rejects.get(reason, 0) + 1
+    return convs, rejects

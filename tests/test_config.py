@@ -1,0 +1,92 @@
+"""Typed configs: errors name the key and the source; overrides are typed."""
+from pathlib import Path
+
+import pytest
+from pydantic import Field
+
+from pipeline.config import ConfigError, ExistingPath, StrictModel, load_config, split_cli
+
+
+class Optim(StrictModel):
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+
+
+class Stage(StrictModel):
+    name: str
+    steps: int = Field(10, gt=0)
+    data: ExistingPath | None = None
+    optim: Optim = Optim()
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "stage.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_loads_yaml_and_typed_overrides(tmp_path):
+    p = write(tmp_path, "name: a\noptim:\n  lr: 0.01\n")
+    cfg = load_config(Stage, p, ["steps=7", "optim.lr=3e-4", "optim.betas=[0.8, 0.9]", "name=b"])
+    assert (cfg.name, cfg.steps, cfg.optim.lr, cfg.optim.betas) == ("b", 7, 3e-4, (0.8, 0.9))
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    p = write(tmp_path, "name: a\noptim:\n  lrr: 0.01\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(Stage, p)
+    msg = str(e.value)
+    assert str(p) in msg and "optim.lrr" in msg and "unknown key" in msg and "lr" in msg
+    assert "\n" not in msg
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    p = write(tmp_path, "name: a\nsteps: many\n")
+    with pytest.raises(ConfigError, match=r"stage\.yaml: steps: .*integer.*'many'"):
+        load_config(Stage, p)
+
+
+def test_constraint_violation_names_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"steps: .*greater than 0"):
+        load_config(Stage, write(tmp_path, "name: a\nsteps: 0\n"))
+
+
+def test_bad_override_names_override(tmp_path):
+    p = write(tmp_path, "name: a\n")
+    with pytest.raises(ConfigError, match=r"override 'optim.lr=fast': optim.lr: "):
+        load_config(Stage, p, ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match=r"override 'optim.bogus=1': optim.bogus: unknown key"):
+        load_config(Stage, p, ["optim.bogus=1"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(Stage, p, ["optim.lr"])
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: config file not found"):
+        load_config(Stage, tmp_path / "nope.yaml")
+    p = write(tmp_path, f"name: a\ndata: {tmp_path / 'absent.parquet'}\n")
+    with pytest.raises(ConfigError, match=r"stage\.yaml: data: path does not exist: .*absent\.parquet"):
+        load_config(Stage, p)
+
+
+def test_missing_required_and_bad_top_level(tmp_path):
+    with pytest.raises(ConfigError, match=r"name: required key is missing"):
+        load_config(Stage, write(tmp_path, "steps: 3\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(Stage, write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="not valid YAML at line 2"):
+        load_config(Stage, write(tmp_path, "name: a\n  bad: [\n"))
+
+
+def test_split_cli():
+    assert split_cli(["c.yaml", "a.b=1", "--plan", "x=y"]) == ("c.yaml", ["a.b=1", "x=y"], ["--plan"])
+
+
+def test_entry_point_prints_one_line_and_exits_2(tmp_path, capsys):
+    import demo_target
+
+    with pytest.raises(SystemExit) as e:
+        demo_target.main(["--out", str(tmp_path), "--preset", "tiny", "--corpus", str(tmp_path / "none.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: override") and "corpus.0" in err[0]
