@@ -20,7 +20,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing into $(VENV) (first run only, ~2 minutes)"
-	@$(PIP) torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	@$(PIP) torch==2.13.0 numpy 2>&1 | grep -v "is ignored" || true
 	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@$(PIP) --no-build-isolation deepspeed 2>&1 | grep -v "is ignored" || true
 	@$(PIP) -e ".[test]" 2>&1 | grep -v "is ignored" || true

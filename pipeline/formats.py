@@ -91,7 +91,8 @@ def read_records(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
     """Yield (index, parsed object or None, parse-failure reason or None) for .json or .jsonl."""
     path = Path(path)
     data = path.read_bytes()
-    if path.suffix == ".json" or data.lstrip()[:1] == b"[":
+    whole = path.suffix == ".json" or (path.suffix != ".jsonl" and data.lstrip()[:1] == b"[")
+    if whole:
         try:
             items = json.loads(data.decode("utf-8"))
         except UnicodeDecodeError:

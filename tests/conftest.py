@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,15 +35,31 @@ def shared_data() -> Path:
     return path
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray instance for the whole session (2 CPUs, 127.0.0.1, no dashboard)."""
+    """One local Ray head for the whole session (2 CPUs, 127.0.0.1, job server on), joined by this
+    process; tests that run pipelines in subprocesses or through `ray job submit` join the same one."""
     import ray
 
-    ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                   _node_ip_address="127.0.0.1", ignore_reinit_error=True)
-    yield ctx
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    port, dash = _free_port(), _free_port()
+    subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
+                    "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                    "--include-dashboard=true", "--disable-usage-stats"],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    gcs = f"127.0.0.1:{port}"
+    ray.init(address=gcs, log_to_driver=False)
+    yield {"address": gcs, "dashboard": f"http://127.0.0.1:{dash}", "env": env}
     ray.shutdown()
+    subprocess.run([str(bin_dir / "ray"), "stop", "--force"], env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +80,35 @@ def tiny_target(tmp_path_factory, demo_corpus) -> Path:
     out = tmp_path_factory.mktemp("tiny_target")
     dt.main(["--out", str(out), "--preset", "tiny", "--corpus", str(demo_corpus / "train.jsonl")])
     return out
+
+
+def write_yaml(path: Path, tree: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+def pipeline_tree(run_dir: Path, target: Path, corpus: Path, records: int = 64, **stages) -> dict:
+    """A small pipeline config as a dict (tests change what they need)."""
+    tree = {"run_dir": str(run_dir), "target": str(target),
+            "ingest": {"sources": [{"path": str(corpus), "format": "sharegpt", "max_records": records}]},
+            "tokenize": {"max_length": 256},
+            "capture": {"rows_per_shard": 16, "batch_tokens": 2048, "threads_per_actor": 1},
+            "vocab": {"draft_vocab_size": 256}}
+    for k, v in stages.items():
+        tree.setdefault(k, {}).update(v)
+    return tree
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, ray_cluster, tiny_target, demo_corpus) -> Path:
+    """The whole pipeline (ingest, tokenize, capture, vocab) on the tiny target: its run_dir."""
+    from pipeline.__main__ import run
+    from pipeline.config import load_config
+    from pipeline.schema import PipelineConfig
+
+    run_dir = tmp_path_factory.mktemp("pipeline_run")
+    cfg_path = write_yaml(run_dir / "cfg.yaml", pipeline_tree(run_dir, tiny_target, demo_corpus / "train.jsonl"))
+    run(load_config(PipelineConfig, cfg_path))
+    return run_dir

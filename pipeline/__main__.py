@@ -1,0 +1,89 @@
+"""python -m pipeline CONFIG.yaml [key=value ...] [--plan] [--inspect N]
+
+Runs the stages the config enables (ingest -> regenerate -> tokenize -> capture -> vocab), each into
+its own folder under run_dir, on a local Ray or the cluster in $RAY_ADDRESS (as under `ray job submit`).
+--plan runs up to tokenize, prints the storage estimate as JSON and exits; --inspect N prints N
+tokenized samples with the loss-masked spans marked [[ like this ]].
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pipeline.cluster import ensure_ray, quiet_ray_data
+from pipeline.config import load_or_exit
+from pipeline.schema import PipelineConfig
+
+
+def log(stage: str, info: dict, t0: float) -> None:
+    print(f"[{stage}] {time.time() - t0:.1f}s {json.dumps(info, ensure_ascii=False)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value, e.g. capture.dtype=fp16")
+    ap.add_argument("--plan", action="store_true", help="print the storage estimate and exit")
+    ap.add_argument("--inspect", type=int, default=0, metavar="N", help="print N masked samples after tokenize")
+    args = ap.parse_args(argv)
+    cfg = load_or_exit(PipelineConfig, args.config, args.overrides)
+    try:
+        return run(cfg, plan_only=args.plan, inspect_n=args.inspect)
+    except ValueError as e:  # user-facing problems (bad settings, empty data): one line, exit 1
+        print(f"pipeline error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dict:
+    from pipeline.capture import run_capture
+    from pipeline.ingest import run_ingest
+    from pipeline.plan import estimate_storage
+    from pipeline.regenerate import run_regenerate
+    from pipeline.tokenize import inspect, run_tokenize
+    from pipeline.vocab import run_vocab
+
+    print(f"pipeline: {ensure_ray(cfg.ray_address)}; run_dir={cfg.run_dir}", flush=True)
+    quiet_ray_data()
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "pipeline_config.json").write_text(cfg.model_dump_json(indent=2))
+    summary, t0 = {}, time.time()
+    records = cfg.stage_dir("ingest") / "records.jsonl"
+    if cfg.ingest.enabled:
+        summary["ingest"] = run_ingest(cfg.ingest, cfg.stage_dir("ingest"))
+        log("ingest", {k: v for k, v in summary["ingest"].items() if k != "sources"}, t0)
+    if cfg.regenerate.enabled:
+        summary["regenerate"] = run_regenerate(cfg.regenerate, cfg.target, records, cfg.stage_dir("regenerate"))
+        records = cfg.stage_dir("regenerate") / "records.jsonl"
+        log("regenerate", summary["regenerate"], t0)
+    tokens = cfg.stage_dir("tokenize") / "tokens.parquet"
+    if cfg.tokenize.enabled:
+        if not records.is_file():
+            raise ValueError(f"tokenize: {records} not found; enable ingest or point run_dir at an earlier run")
+        summary["tokenize"] = run_tokenize(cfg.tokenize, cfg.target, records, cfg.stage_dir("tokenize"),
+                                           cfg.regenerate.enable_thinking)
+        log("tokenize", summary["tokenize"], t0)
+        if inspect_n:
+            print(inspect(tokens, cfg.target, inspect_n))
+    if plan_only:
+        summary["plan"] = estimate_storage(cfg, tokens)
+        print(json.dumps(summary["plan"]))
+        return summary
+    if cfg.capture.enabled:
+        summary["capture"] = run_capture(cfg.capture, cfg.target, tokens, cfg.stage_dir("capture"),
+                                         cfg.tokenize.max_length, json.loads(cfg.model_dump_json()))
+        log("capture", summary["capture"], t0)
+    if cfg.vocab.enabled:
+        from transformers import AutoConfig
+
+        tcfg = AutoConfig.from_pretrained(cfg.target)
+        vocab = getattr(getattr(tcfg, "text_config", None) or tcfg, "vocab_size")
+        summary["vocab"] = run_vocab(cfg.vocab.draft_vocab_size, tokens, vocab, cfg.stage_dir("capture"))
+        log("vocab", summary["vocab"], t0)
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

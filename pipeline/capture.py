@@ -1,0 +1,182 @@
+"""Stage 4, capture: target forwards in a Ray Data actor pool -> hidden-state Parquet shards.
+
+The token table is cut into fixed row ranges; range k becomes `shard-0000k.parquet`, written under a
+temp name and renamed when complete, so a killed run rerun skips finished shards (their bytes are not
+touched) and redoes only the rest. Each shard carries the run's signature in its schema metadata; a
+rerun with a different target, dtype or layer set refuses to mix shards. A manifest closes the run.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+import torch
+
+from pipeline.hidden import TORCH_DTYPES, capture_hidden, resolve_aux_layers, to_bytes
+from pipeline.schema import Capture
+from pipeline.shards import (MANIFEST, rows_digest, shard_meta, shard_name, shard_ranges, signature_mismatch,
+                             target_signature, write_shard)
+
+
+def load_target(target: str, model_dtype: str, use_gpu: bool):
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        model_dtype, torch.bfloat16 if device == "cuda" else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    return model, device
+
+
+def micro_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Row indices grouped longest-first so each padded batch holds <= batch_tokens (one row at least)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def capture_rows(model, device: str, rows: list[dict], layer_ids: list[int], dtype: str,
+                 batch_tokens: int, pad_id: int = 0) -> tuple[pa.Table, float]:
+    """Token rows -> shard table (input order kept); also the seconds spent in target forwards."""
+    aux_b: list[bytes] = [b""] * len(rows)
+    last_b: list[bytes] = [b""] * len(rows)
+    lengths = [len(r["input_ids"]) for r in rows]
+    fwd_s = 0.0
+    for group in micro_batches(lengths, batch_tokens):
+        width = lengths[group[0]]
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        att = torch.zeros((len(group), width), dtype=torch.long)
+        for j, i in enumerate(group):
+            ids[j, : lengths[i]] = torch.as_tensor(np.asarray(rows[i]["input_ids"], dtype=np.int64))
+            att[j, : lengths[i]] = 1
+        t0 = time.perf_counter()
+        aux, last = capture_hidden(model, ids.to(device), att.to(device), layer_ids)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        fwd_s += time.perf_counter() - t0
+        for j, i in enumerate(group):
+            aux_b[i] = to_bytes(aux[j, : lengths[i]], dtype)
+            last_b[i] = to_bytes(last[j, : lengths[i]], dtype)
+    table = pa.table({
+        "id": pa.array([r["id"] for r in rows], pa.string()),
+        "input_ids": pa.array([np.asarray(r["input_ids"], np.int32) for r in rows], pa.list_(pa.int32())),
+        "loss_mask": pa.array([np.asarray(r["loss_mask"], np.uint8) for r in rows], pa.list_(pa.uint8())),
+        "aux_hidden": pa.array(aux_b, pa.binary()), "last_hidden": pa.array(last_b, pa.binary())})
+    return table, fwd_s
+
+
+class CaptureWorker:
+    """Ray Data actor: one target copy; each input row names a shard (index, start, end) to write."""
+
+    def __init__(self, target: str, cfg: dict, tokens_path: str, out_dir: str, signature: dict):
+        self.cfg = Capture(**cfg)
+        if self.cfg.threads_per_actor:
+            torch.set_num_threads(self.cfg.threads_per_actor)
+        self.model, self.device = load_target(target, self.cfg.model_dtype, self.cfg.num_gpus_per_actor > 0)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.tokens = pq.read_table(tokens_path, columns=["id", "input_ids", "loss_mask", "n_tokens"])
+        self.out_dir, self.signature = Path(out_dir), signature
+
+    def __call__(self, batch: dict) -> dict:
+        out = {k: [] for k in ("shard", "rows", "tokens", "bytes", "forward_s", "total_s")}
+        for index, start, end in zip(batch["index"], batch["start"], batch["end"]):
+            t0 = time.perf_counter()
+            part = self.tokens.slice(int(start), int(end) - int(start))
+            rows = part.to_pylist()
+            table, fwd = capture_rows(self.model, self.device, rows, self.signature["aux_layer_ids"],
+                                      self.cfg.dtype, self.cfg.batch_tokens, self.pad_id)
+            n_tok = int(sum(r["n_tokens"] for r in rows))
+            meta = dict(self.signature, shard=int(index), rows=len(rows), tokens=n_tok,
+                        input_digest=rows_digest([r["id"] for r in rows], [r["n_tokens"] for r in rows]))
+            nbytes = write_shard(table, self.out_dir / shard_name(int(index)), meta, self.cfg.compression_level)
+            for k, v in (("shard", int(index)), ("rows", len(rows)), ("tokens", n_tok), ("bytes", nbytes),
+                         ("forward_s", fwd), ("total_s", time.perf_counter() - t0)):
+                out[k].append(v)
+        return out
+
+
+def make_signature(target: Path, cfg: Capture, max_length: int) -> dict:
+    from transformers import AutoConfig
+
+    from pipeline.tokenize import load_tokenizer
+
+    tcfg = AutoConfig.from_pretrained(target)
+    tcfg = getattr(tcfg, "text_config", None) or tcfg
+    layers = resolve_aux_layers(tcfg.num_hidden_layers, cfg.layer_ids)
+    return target_signature(target, load_tokenizer(str(target)), tcfg.num_hidden_layers, tcfg.hidden_size,
+                            layers, cfg.dtype, max_length)
+
+
+def pending_shards(out_dir: Path, tokens: pa.Table, ranges, signature: dict) -> tuple[list, list]:
+    """Split ranges into (to do, already complete); refuse shards captured with another signature."""
+    todo, done = [], []
+    ids, lens = tokens.column("id").to_pylist(), tokens.column("n_tokens").to_pylist()
+    for stale in out_dir.glob(".shard-*.tmp"):
+        stale.unlink()  # a killed writer's leftovers; the shard is redone below
+    for index, start, end in ranges:
+        path = out_dir / shard_name(index)
+        if path.is_file():
+            meta = shard_meta(path)
+            why = signature_mismatch(meta, signature)
+            if why:
+                raise ValueError(f"{path}: captured with different settings ({why}); "
+                                 f"use a new run_dir or delete {out_dir}")
+            if meta.get("input_digest") == rows_digest(ids[start:end], lens[start:end]):
+                done.append(index)
+                continue
+            path.unlink()  # its input rows changed: recapture
+        todo.append((index, start, end))
+    return todo, done
+
+
+def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, max_length: int,
+                pipeline_config: dict) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    signature = make_signature(target, cfg, max_length)
+    tokens = pq.read_table(tokens_path, columns=["id", "n_tokens"])
+    ranges = shard_ranges(tokens.num_rows, cfg.rows_per_shard)
+    todo, done = pending_shards(out_dir, tokens, ranges, signature)
+    t0 = time.perf_counter()
+    results = []
+    if todo:
+        items = [{"index": i, "start": s, "end": e} for i, s, e in todo]
+        ds = ray.data.from_items(items, override_num_blocks=len(items))
+        ds = ds.map_batches(
+            CaptureWorker, batch_size=1, batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
+            num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
+            fn_constructor_kwargs=dict(target=str(target), cfg=cfg.model_dump(), tokens_path=str(tokens_path),
+                                       out_dir=str(out_dir), signature=signature))
+        results = ds.take_all()
+    wall = time.perf_counter() - t0
+    shards = []
+    for index, _, _ in ranges:
+        path = out_dir / shard_name(index)
+        meta = shard_meta(path)
+        shards.append({"file": path.name, "rows": meta["rows"], "tokens": meta["tokens"],
+                       "bytes": path.stat().st_size})
+    rows, toks = sum(s["rows"] for s in shards), sum(s["tokens"] for s in shards)
+    width = 4 * signature["hidden_size"] * (2 if cfg.dtype != "fp32" else 4)
+    manifest = dict(signature, target=str(Path(target).resolve()), rows=rows, tokens=toks,
+                    bytes=sum(s["bytes"] for s in shards), raw_hidden_bytes=toks * width, shards=shards,
+                    pipeline_config=pipeline_config)
+    tmp = out_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(out_dir / MANIFEST)
+    fwd = sum(r["forward_s"] for r in results)
+    total = sum(r["total_s"] for r in results)
+    return {"shards": len(ranges), "captured": len(todo), "skipped_complete": len(done), "rows": rows,
+            "tokens": toks, "bytes": manifest["bytes"], "disk_vs_raw": round(manifest["bytes"] / max(1, toks * width), 4),
+            "wall_s": round(wall, 2), "forward_share": round(fwd / total, 3) if total else None}

@@ -1,0 +1,33 @@
+"""Starting or joining Ray the same way from every entry point."""
+from __future__ import annotations
+
+import os
+
+# Stay on 127.0.0.1 and let Ray's own clients in (STACK.md); must be set before Ray starts.
+for _k, _v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
+               ("RAY_USAGE_STATS_ENABLED", "0"), ("TOKENIZERS_PARALLELISM", "false")):
+    os.environ.setdefault(_k, _v)
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
+    """Join `address` (or $RAY_ADDRESS, as under `ray job submit`), else start a local Ray on 127.0.0.1.
+    Returns how it connected, for the log."""
+    import ray
+
+    if ray.is_initialized():
+        return "already connected"
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return f"joined {address}"
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+    return "started a local Ray"
+
+
+def quiet_ray_data() -> None:
+    """Deterministic block order and no per-operator progress spam in logs."""
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False

@@ -1,0 +1,119 @@
+"""Stage 1, ingest: read every source in Ray Data tasks, normalise, deduplicate, mix by weight.
+
+Writes under <run_dir>/ingest/: records.jsonl ({id, source, messages}), rejects.jsonl (one reason per
+bad record) and stats.json (counts per source and per reason). Every input record ends up in exactly
+one of: the output, a reject, or the `not_sampled` count of the weighted mix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import ray
+
+from pipeline.formats import Reject, normalise, read_records
+from pipeline.schema import Ingest
+
+
+def content_key(messages: list[dict]) -> str:
+    """Dedupe key: roles and whitespace-collapsed, case-folded contents."""
+    canon = [[m["role"], " ".join(m["content"].split()).casefold()] for m in messages]
+    return hashlib.sha1(json.dumps(canon, ensure_ascii=False).encode()).hexdigest()
+
+
+def parse_source(row: dict, max_chars: int) -> list[dict]:
+    """One source file -> one row per record, accepted or rejected (runs as a Ray Data task)."""
+    out = []
+    for idx, obj, reason in read_records(row["path"]):
+        rec = {"source": row["source"], "order": row["order"], "index": idx, "id": "", "messages": "",
+               "key": "", "reason": reason or "", "detail": ""}
+        if reason is None:
+            try:
+                msgs = normalise(obj, row["format"])
+                if sum(len(m["content"]) for m in msgs) > max_chars:
+                    raise Reject("too_long", f"> {max_chars} characters")
+                rid = obj.get("id") or obj.get("prompt_id") if isinstance(obj, dict) else None
+                rec.update(id=str(rid) if isinstance(rid, (str, int)) else "", key=content_key(msgs),
+                           messages=json.dumps(msgs, ensure_ascii=False))
+            except Reject as r:
+                rec.update(reason=r.reason, detail=str(r)[:200])
+        out.append(rec)
+    return out
+
+
+def mix_counts(available: dict[str, int], sources, total: int | None) -> dict[str, int]:
+    """How many records each source contributes. Weighted sources share the mix by ratio (never
+    upsampled: the mix shrinks to what the scarcest source allows); max_records caps; else all."""
+    want = {}
+    weighted = [s for s in sources if s.weight is not None]
+    wsum = sum(s.weight for s in weighted)
+    if weighted:
+        cap = min(available[s.label] * wsum / s.weight for s in weighted)
+        size = min(total, cap) if total is not None else cap
+        for s in weighted:
+            want[s.label] = min(available[s.label], int(round(size * s.weight / wsum)))
+    for s in sources:
+        if s.weight is None:
+            want[s.label] = min(available[s.label], s.max_records or available[s.label])
+    return want
+
+
+def run_ingest(cfg: Ingest, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    labels = [s.label for s in cfg.sources]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"ingest.sources: two sources share the name {labels}; give them distinct `name`s")
+    items = [{"source": s.label, "order": i, "path": str(s.path.resolve()), "format": s.format}
+             for i, s in enumerate(cfg.sources)]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    rows = ds.flat_map(parse_source, fn_kwargs={"max_chars": cfg.max_chars}).take_all()
+    rows.sort(key=lambda r: (r["order"], r["index"]))
+
+    stats = {s.label: {"read": 0, "accepted": 0, "rejected": {}, "selected": 0, "not_sampled": 0}
+             for s in cfg.sources}
+    seen_keys: set[str] = set()
+    seen_ids: set[str] = set()
+    accepted: dict[str, list[dict]] = {s.label: [] for s in cfg.sources}
+    with open(out_dir / "rejects.jsonl", "w", encoding="utf-8") as rej:
+        for r in rows:
+            st = stats[r["source"]]
+            st["read"] += 1
+            if not r["reason"] and r["key"] in seen_keys:
+                r["reason"], r["detail"] = "duplicate", "same normalised content as an earlier record"
+            if r["reason"]:
+                st["rejected"][r["reason"]] = st["rejected"].get(r["reason"], 0) + 1
+                rej.write(json.dumps({k: r[k] for k in ("source", "index", "reason", "detail")}) + "\n")
+                continue
+            seen_keys.add(r["key"])
+            rid = r["id"] or f"{r['source']}:{r['index']}"
+            if rid in seen_ids:  # ids must be unique downstream (shards are keyed by them)
+                rid = f"{rid}#{r['source']}:{r['index']}"
+            seen_ids.add(rid)
+            st["accepted"] += 1
+            accepted[r["source"]].append({"id": rid, "source": r["source"], "messages": r["messages"]})
+
+    want = mix_counts({k: len(v) for k, v in accepted.items()}, cfg.sources, cfg.total_records)
+    rng = random.Random(cfg.seed)
+    mixed = []
+    for s in cfg.sources:
+        pool = accepted[s.label]
+        picked = pool if want[s.label] >= len(pool) else rng.sample(pool, want[s.label])
+        stats[s.label]["selected"] = len(picked)
+        stats[s.label]["not_sampled"] = len(pool) - len(picked)
+        mixed += picked
+    rng.shuffle(mixed)
+    with open(out_dir / "records.jsonl", "w", encoding="utf-8") as f:
+        for rec in mixed:
+            f.write(json.dumps({"id": rec["id"], "source": rec["source"],
+                                "messages": json.loads(rec["messages"])}, ensure_ascii=False) + "\n")
+    by_reason: dict[str, int] = {}
+    for st in stats.values():
+        for k, v in st["rejected"].items():
+            by_reason[k] = by_reason.get(k, 0) + v
+    summary = {"records": len(mixed), "read": sum(st["read"] for st in stats.values()),
+               "rejected": sum(by_reason.values()), "rejected_by_reason": by_reason,
+               "not_sampled": sum(st["not_sampled"] for st in stats.values()), "sources": stats}
+    (out_dir / "stats.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,96 @@
+"""The data pipeline's config: one run directory, one target, five stages each switched on or off."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config import ExistingPath, StrictModel
+
+
+class Source(StrictModel):
+    path: ExistingPath
+    format: Literal["sharegpt", "ultrachat", "qa", "auto"] = "auto"
+    weight: float | None = Field(None, gt=0)     # share of the mix, relative to the other weights
+    max_records: int | None = Field(None, gt=0)  # or an absolute cap
+    name: str | None = None                      # defaults to the file name
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if self.weight is not None and self.max_records is not None:
+            raise ValueError("give weight or max_records, not both")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path.name
+
+
+class Ingest(StrictModel):
+    enabled: bool = True
+    sources: list[Source] = []
+    total_records: int | None = Field(None, gt=0)  # size of the weighted mix; None = as many as the weights allow
+    max_chars: int = Field(200_000, gt=0)          # longer records are rejected as too_long
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _has_sources(self):
+        if self.enabled and not self.sources:
+            raise ValueError("at least one source is needed when ingest is enabled")
+        return self
+
+
+class Regenerate(StrictModel):
+    enabled: bool = False
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(256, gt=0)
+    seed: int = 0
+    batch_size: int = Field(8, gt=0)
+    num_actors: int = Field(1, gt=0)
+    num_cpus_per_actor: float = Field(1, ge=0)
+    num_gpus_per_actor: float = Field(0, ge=0)
+    enable_thinking: bool | None = None   # passed to chat templates that know it (Qwen3)
+    on_error: Literal["keep_original", "drop"] = "keep_original"
+
+
+class Tokenize(StrictModel):
+    enabled: bool = True
+    max_length: int = Field(2048, gt=1)
+    mask: Literal["auto", "generation", "render"] = "auto"  # generation = {% generation %} markers
+    min_loss_tokens: int = Field(1, ge=1)
+
+
+class Capture(StrictModel):
+    enabled: bool = True
+    layer_ids: list[int] | None = None  # outputs of these layers; default [1, N//2-1, N-4]
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    rows_per_shard: int = Field(256, gt=0)
+    batch_tokens: int = Field(8192, gt=0)  # micro-batch size in (padded) tokens per forward
+    num_actors: int = Field(1, gt=0)
+    num_cpus_per_actor: float = Field(1, ge=0)
+    num_gpus_per_actor: float = Field(0, ge=0)
+    model_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    compression_level: int = Field(3, ge=1, le=22)
+    threads_per_actor: int | None = None
+
+
+class Vocab(StrictModel):
+    enabled: bool = True
+    draft_vocab_size: int = Field(32000, gt=0)
+
+
+class PipelineConfig(StrictModel):
+    run_dir: Path = Path("runs/pipeline")
+    target: ExistingPath
+    ray_address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
+    ingest: Ingest = Field(default_factory=lambda: Ingest(enabled=False))
+    regenerate: Regenerate = Regenerate()
+    tokenize: Tokenize = Tokenize()
+    capture: Capture = Capture()
+    vocab: Vocab = Vocab()
+
+    # One folder per stage under run_dir; a stage reads the previous stage's folder.
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / stage

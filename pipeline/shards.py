@@ -1,0 +1,84 @@
+"""Hidden-state shard format (DESIGN §2.3): schema, deterministic names, signature, manifest, readers.
+
+Shared by the capture stage (writer) and the trainer (reader), so both agree on every field.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SHARD_SCHEMA = pa.schema([
+    ("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
+    ("aux_hidden", pa.binary()), ("last_hidden", pa.binary())])
+META_KEY = b"eagleray"
+MANIFEST = "manifest.json"
+# Fields that must agree between shards of one run, and with the target a trainer uses.
+SIGNATURE_FIELDS = ("target_config_sha256", "hidden_size", "num_layers", "aux_layer_ids", "dtype",
+                    "max_length", "chat_template_sha256", "vocab_size")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.parquet"
+
+
+def shard_ranges(n_rows: int, rows_per_shard: int) -> list[tuple[int, int, int]]:
+    """Deterministic split of the token table into (index, start, end) row ranges."""
+    return [(i, s, min(s + rows_per_shard, n_rows)) for i, s in enumerate(range(0, n_rows, rows_per_shard))]
+
+
+def rows_digest(ids: list[str], lengths: list[int]) -> str:
+    h = hashlib.sha256()
+    for rid, n in zip(ids, lengths):
+        h.update(f"{rid}\t{n}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def target_signature(target: Path, tokenizer, num_layers: int, hidden_size: int, aux_layer_ids: list[int],
+                     dtype: str, max_length: int) -> dict:
+    tmpl = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
+        tokenizer.chat_template, sort_keys=True)
+    return {"target_config_sha256": sha256_file(Path(target) / "config.json"), "hidden_size": hidden_size,
+            "num_layers": num_layers, "aux_layer_ids": list(aux_layer_ids), "dtype": dtype,
+            "max_length": max_length, "chat_template_sha256": hashlib.sha256(tmpl.encode()).hexdigest(),
+            "vocab_size": len(tokenizer)}
+
+
+def signature_mismatch(found: dict, expected: dict) -> str | None:
+    """The first signature field that differs, worded for the user, or None."""
+    for k in SIGNATURE_FIELDS:
+        if found.get(k) != expected.get(k):
+            return f"{k}: shards have {found.get(k)!r}, expected {expected.get(k)!r}"
+    return None
+
+
+def shard_meta(path: Path) -> dict:
+    md = pq.read_schema(path).metadata or {}
+    return json.loads(md.get(META_KEY, b"{}"))
+
+
+def write_shard(table: pa.Table, final: Path, meta: dict, compression_level: int = 3) -> int:
+    """Write under a temp name, fsync, rename: a shard file that exists is complete. -> bytes."""
+    table = table.cast(SHARD_SCHEMA).replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+    tmp = final.with_name(f".{final.name}.tmp")
+    pq.write_table(table, tmp, compression="zstd", compression_level=compression_level,
+                   use_dictionary=False, write_statistics=False, row_group_size=16)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(final)
+    return final.stat().st_size
+
+
+def read_manifest(shard_dir: Path) -> dict:
+    path = Path(shard_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{shard_dir}: no {MANIFEST}; is this a capture output folder?")
+    return json.loads(path.read_text())

@@ -1,0 +1,70 @@
+"""The pipeline as users run it: SIGKILLed mid-capture and rerun; submitted with `ray job submit`."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, pipeline_tree, write_yaml
+
+pytestmark = pytest.mark.slow
+
+
+def digests(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("shard-*.parquet"))}
+
+
+def test_sigkill_mid_capture_then_rerun(tmp_path, ray_cluster, tiny_target, demo_corpus):
+    tree = pipeline_tree(tmp_path / "run", tiny_target, demo_corpus / "train.jsonl", records=160,
+                         capture={"rows_per_shard": 4, "batch_tokens": 128})
+    cfg = write_yaml(tmp_path / "c.yaml", tree)
+    # The job gets its own local Ray in its own process group, so SIGKILL takes down the driver and
+    # its workers at once, as when a node dies; joining the session cluster would let actors finish.
+    env = {k: v for k, v in ray_cluster["env"].items() if k != "RAY_ADDRESS"}
+    cap = tmp_path / "run" / "capture"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", str(cfg)], cwd=REPO, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(cap.glob("shard-*.parquet"))) < 3:
+        assert proc.poll() is None, "pipeline ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(2)  # let the cluster reap the dead job's actors
+    complete = digests(cap)
+    assert 3 <= len(complete) < 40, "kill should land mid-capture"
+    assert not (cap / "manifest.json").exists()
+
+    time.sleep(3)
+    assert digests(cap) == complete, "nothing may write after the kill"
+    rerun = subprocess.run([sys.executable, "-m", "pipeline", str(cfg)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    after = digests(cap)
+    assert {k: after[k] for k in complete} == complete  # finished shards untouched
+    tokens = pq.read_table(tmp_path / "run/tokenize/tokens.parquet")
+    rows = pq.read_table(sorted(cap.glob("shard-*.parquet")), columns=["id"])["id"].to_pylist()
+    assert len(rows) == tokens.num_rows == 160
+    assert len(set(rows)) == len(rows) and sorted(rows) == sorted(tokens["id"].to_pylist())
+    assert not list(cap.glob(".*tmp"))
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert summary["capture"]["skipped_complete"] == len(complete)
+
+
+def test_ray_job_submit(tmp_path, ray_cluster, tiny_target, demo_corpus):
+    tree = pipeline_tree(tmp_path / "run", tiny_target, demo_corpus / "train.jsonl", records=24)
+    cfg = write_yaml(tmp_path / "c.yaml", tree)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    res = subprocess.run([ray_bin, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", str(REPO),
+                          "--", "python", "-m", "pipeline", str(cfg)], cwd=REPO, env=ray_cluster["env"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert "succeeded" in res.stdout
+    man = json.loads((tmp_path / "run/capture/manifest.json").read_text())
+    assert man["rows"] == 24
+    assert (tmp_path / "run/capture/draft_vocab.safetensors").is_file()
