@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
 	$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo --corpus $(DEMO)/corpus/train.jsonl --reuse
+	$(PY) -m pipeline configs/pipeline/demo.yaml
+	@echo "demo data: $(DEMO)/data (ingest/ regenerate/ tokenize/ capture/ with manifest.json and draft_vocab.safetensors)"
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -26,8 +26,11 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
 
 def quiet_ray_data() -> None:
     """Deterministic block order and no per-operator progress spam in logs."""
+    import logging
+
     import ray
 
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
