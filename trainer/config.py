@@ -1,0 +1,66 @@
+"""The trainer's config (python -m trainer CONFIG.yaml key=value ...)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.config import ExistingPath, StrictModel
+
+
+class Data(StrictModel):
+    shards: ExistingPath                      # a capture folder: shard-*.parquet, manifest.json, draft_vocab
+    max_tokens_per_batch: int = Field(4096, gt=0)  # padded tokens per micro-batch (length-bucketed)
+    max_rows_per_batch: int = Field(16, gt=0)
+    bucket_pool: int = Field(256, gt=0)       # rows gathered before bucketing by length
+    val_rows: int = Field(32, ge=0)           # held out (the last rows of the last shard) for eval metrics
+    seed: int = 0
+
+
+class Optim(StrictModel):
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.015, ge=0, lt=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(0.5, gt=0)
+    grad_accum: int = Field(1, ge=1)
+
+
+class Model(StrictModel):
+    ttt_length: int = Field(7, ge=1)
+    decay: float = Field(0.8, gt=0, le=1)
+    intermediate_size: int | None = None      # default: the target's
+    init_from: ExistingPath | None = None     # an exported head (SGLang or speculators) to start from
+
+
+class Scaling(StrictModel):
+    num_workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1, gt=0)
+    threads_per_worker: int | None = None
+
+
+class DeepSpeedCfg(StrictModel):
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    dtype: Literal["fp32", "bf16"] = "fp32"
+
+
+class TrainConfig(StrictModel):
+    target: ExistingPath
+    out_dir: Path = Path("runs/train")
+    data: Data
+    model: Model = Model()
+    optim: Optim = Optim()
+    scaling: Scaling = Scaling()
+    deepspeed: DeepSpeedCfg = DeepSpeedCfg()
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, gt=0)  # optimizer steps; default: epochs over the data
+    checkpoint_every: int = Field(50, gt=0)
+    eval_every: int = Field(25, gt=0)
+    log_every: int = Field(5, gt=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    seed: int = 0
+    ray_address: str | None = None
+    export_formats: list[Literal["sglang", "speculators"]] = ["sglang", "speculators"]

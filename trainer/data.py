@@ -1,0 +1,131 @@
+"""Training data: the pipeline's shards through Ray Data, checked against the target, bucketed by length.
+
+Each worker streams its split of the rows, gathers a pool of `bucket_pool` rows, sorts the pool by
+length into padded micro-batches under a token budget, and shuffles those batches with a seed derived
+from (seed, epoch, pool): the order is a pure function of the stream, so a resumed run replays it exactly.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from pipeline.hidden import from_bytes
+from pipeline.shards import read_manifest, sha256_file
+
+
+def check_manifest(manifest: dict, target: Path, tokenizer, tcfg) -> None:
+    """Refuse shards captured from another target: the message names the field that disagrees."""
+    tcfg = getattr(tcfg, "text_config", None) or tcfg
+
+    tmpl = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
+        tokenizer.chat_template, sort_keys=True)
+    checks = [
+        ("hidden_size", manifest.get("hidden_size"), tcfg.hidden_size),
+        ("num_layers", manifest.get("num_layers"), tcfg.num_hidden_layers),
+        ("vocab_size", manifest.get("vocab_size"), len(tokenizer)),
+        ("chat_template_sha256", manifest.get("chat_template_sha256"), hashlib.sha256(tmpl.encode()).hexdigest()),
+        ("target_config_sha256", manifest.get("target_config_sha256"), sha256_file(Path(target) / "config.json")),
+    ]
+    for field, got, want in checks:
+        if got != want:
+            raise ValueError(f"shards do not match the target {target}: manifest field {field} is {got!r}, "
+                             f"the target has {want!r}")
+    ids = manifest.get("aux_layer_ids") or []
+    if len(ids) != 3 or not all(0 <= j < tcfg.num_hidden_layers for j in ids):
+        raise ValueError(f"shards do not match the target {target}: manifest field aux_layer_ids {ids} "
+                         f"is not 3 layers of a {tcfg.num_hidden_layers}-layer model")
+
+
+def shard_files(shard_dir: Path) -> list[str]:
+    man = read_manifest(shard_dir)
+    return [str(Path(shard_dir) / s["file"]) for s in man["shards"]]
+
+
+def val_rows(shard_dir: Path, n: int) -> pa.Table:
+    """The last n rows of the run (held out from training)."""
+    files = shard_files(shard_dir)
+    tables = []
+    for f in reversed(files):
+        if n <= 0:
+            break
+        t = pq.read_table(f)
+        tables.insert(0, t.slice(max(0, t.num_rows - n)))
+        n -= t.num_rows
+    return pa.concat_tables(tables) if tables else pq.read_table(files[0]).slice(0, 0)
+
+
+def drop_ids(batch: pa.Table, ids: list[str]) -> pa.Table:
+    """Ray Data UDF: remove held-out rows from the training stream."""
+    return batch.filter(pc.invert(pc.is_in(batch["id"], value_set=pa.array(ids, pa.string()))))
+
+
+def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random.Random) -> list[list[int]]:
+    """Pure: indices of a pool grouped by length into padded batches (<= max_tokens, <= max_rows),
+    batch order shuffled by rng."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        width = lengths[i]  # ascending order: the newest row is the widest
+        if cur and (width * (len(cur) + 1) > max_tokens or len(cur) >= max_rows):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def rows_of(batch: dict) -> list[dict]:
+    n = len(batch["id"])
+    return [{k: batch[k][i] for k in ("id", "input_ids", "loss_mask", "aux_hidden", "last_hidden")}
+            for i in range(n)]
+
+
+def iter_micro_batches(batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
+                       epoch: int) -> Iterator[list[dict]]:
+    """Rows from a Ray Data iterator (numpy batches) -> length-bucketed micro-batches of rows."""
+    buf: list[dict] = []
+    pool_idx = 0
+
+    def flush(rows):
+        nonlocal pool_idx
+        rng = random.Random(hash((seed, epoch, pool_idx)) & 0xFFFFFFFF)
+        pool_idx += 1
+        for idx in plan_batches([len(r["input_ids"]) for r in rows], max_tokens, max_rows, rng):
+            yield [rows[i] for i in idx]
+
+    for b in batches:
+        buf += rows_of(b)
+        while len(buf) >= pool:
+            yield from flush(buf[:pool])
+            buf = buf[pool:]
+    if buf:
+        yield from flush(buf)
+
+
+def collate(rows: list[dict], dtype: str, target_hidden: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: input_ids, loss_mask [B,T]; aux [B,T,3Ht]; last [B,T,H] (storage dtype)."""
+    t = max(len(r["input_ids"]) for r in rows)
+    b = len(rows)
+    ids = torch.zeros((b, t), dtype=torch.long)
+    mask = torch.zeros((b, t), dtype=torch.long)
+    first_aux = from_bytes(rows[0]["aux_hidden"], dtype, 3 * target_hidden)
+    aux = torch.zeros((b, t, 3 * target_hidden), dtype=first_aux.dtype)
+    last = torch.zeros((b, t, target_hidden), dtype=first_aux.dtype)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.from_numpy(np.asarray(r["input_ids"], dtype=np.int64))
+        mask[i, :n] = torch.from_numpy(np.asarray(r["loss_mask"], dtype=np.int64))
+        aux[i, :n] = from_bytes(r["aux_hidden"], dtype, 3 * target_hidden)
+        last[i, :n] = from_bytes(r["last_hidden"], dtype, target_hidden)
+    return {"input_ids": ids, "loss_mask": mask, "aux": aux, "last": last}

@@ -1,0 +1,159 @@
+"""Driver side of training: checks, Ray Train TorchTrainer, progress bar, resume, export.
+
+The run lives in out_dir: ray/ (Ray Train storage with checkpoints), tensorboard/, best/ (the head with
+the best simulated tau so far, SGLang format), head_sglang/ and head_speculators/ (exports), report.json.
+Rerunning the same config resumes from the latest checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from pipeline.shards import read_manifest
+from pipeline.vocab import load_draft_vocab
+from trainer.config import TrainConfig
+from trainer.data import check_manifest, drop_ids, plan_batches, shard_files, val_rows
+from trainer.export import FORMATS, export_head, import_head
+
+RUN_NAME = "train"
+
+
+def estimate_total_steps(cfg: TrainConfig, held_out: set[str]) -> int:
+    """Optimizer steps for the LR schedule: the bucketing plan replayed on the shards' lengths."""
+    if cfg.max_steps:
+        return cfg.max_steps
+    import random
+
+    lengths = []
+    for f in shard_files(cfg.data.shards):
+        t = pq.read_table(f, columns=["id", "input_ids"])
+        lengths += [len(x) for rid, x in zip(t["id"].to_pylist(), t["input_ids"].to_pylist()) if rid not in held_out]
+    per_worker = math.ceil(len(lengths) / cfg.scaling.num_workers)
+    pool = cfg.data.bucket_pool
+    batches = sum(len(plan_batches(lengths[i:i + pool], cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
+                                   random.Random(0))) for i in range(0, per_worker, pool))
+    return max(1, cfg.epochs * batches // cfg.optim.grad_accum)
+
+
+def latest_checkpoint(storage: Path):
+    """The newest checkpoint Ray Train persisted for this run, or None."""
+    from ray.train import Checkpoint
+
+    run = storage / RUN_NAME
+    best, best_step = None, -1
+    for d in run.glob("checkpoint_*"):
+        state = d / "trainer_state.json"
+        if state.is_file():
+            step = json.loads(state.read_text())["global_step"]
+            if step > best_step:
+                best, best_step = d, step
+    return Checkpoint.from_directory(str(best)) if best else None
+
+
+def _progress(out_dir: Path, total: int, stop: threading.Event) -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=5)
+    path = out_dir / "progress.json"
+    while not stop.is_set():
+        if path.is_file():
+            try:
+                p = json.loads(path.read_text())
+                if p["step"] != bar.n:  # redraw on news only: logs stay short when not on a terminal
+                    bar.set_postfix(loss0=f"{p['loss'][0]:.3f}", acc0=f"{p['acc'][0]:.2f}",
+                                    tau=f"{p['sim_tau_train']:.2f}", tok_s=f"{p['tokens_per_s']:.0f}",
+                                    refresh=False)
+                    bar.update(p["step"] - bar.n)
+            except (json.JSONDecodeError, KeyError):
+                pass
+        stop.wait(1.0)
+    bar.close()
+
+
+def run_training(cfg: TrainConfig) -> dict:
+    import ray
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.cluster import ensure_ray, quiet_ray_data
+    from trainer.loop import train_loop_per_worker
+
+    # Workers run elsewhere (another cwd, another node with the same shared paths): absolute paths only.
+    out_dir = cfg.out_dir.resolve()
+    init = cfg.model.init_from.resolve() if cfg.model.init_from else None
+    cfg = cfg.model_copy(update={"out_dir": out_dir, "target": cfg.target.resolve(),
+                                 "data": cfg.data.model_copy(update={"shards": cfg.data.shards.resolve()}),
+                                 "model": cfg.model.model_copy(update={"init_from": init})})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "progress.json").unlink(missing_ok=True)
+    manifest = read_manifest(cfg.data.shards)
+    tcfg = AutoConfig.from_pretrained(cfg.target)
+    check_manifest(manifest, cfg.target, AutoTokenizer.from_pretrained(cfg.target), tcfg)
+    d2t, t2d = load_draft_vocab(cfg.data.shards)
+    held_out = set(val_rows(cfg.data.shards, cfg.data.val_rows)["id"].to_pylist()) if cfg.data.val_rows else set()
+    total = estimate_total_steps(cfg, held_out)
+    print(f"trainer: {ensure_ray(cfg.ray_address)}; {manifest['rows']} rows, {manifest['tokens']} tokens; "
+          f"{total} optimizer steps on {cfg.scaling.num_workers} worker(s), ZeRO-{cfg.deepspeed.zero_stage}",
+          flush=True)
+    quiet_ray_data()
+    ds = ray.data.read_parquet(shard_files(cfg.data.shards))
+    if held_out:
+        ds = ds.map_batches(drop_ids, batch_format="pyarrow", fn_kwargs={"ids": sorted(held_out)})
+    storage = out_dir / "ray"
+    resume = latest_checkpoint(storage)
+    if resume:
+        print(f"trainer: resuming from {resume.path}", flush=True)
+    exec_opts = ray.data.ExecutionOptions(preserve_order=True)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": json.loads(cfg.model_dump_json()), "total_steps": total, "d2t": d2t, "t2d": t2d,
+                           "aux_layer_ids": manifest["aux_layer_ids"], "storage_dtype": manifest["dtype"]},
+        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        datasets={"train": ds}, dataset_config=DataConfig(execution_options=exec_opts),
+        run_config=RunConfig(name=RUN_NAME, storage_path=str(storage),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+                             failure_config=FailureConfig(max_failures=0)),
+        resume_from_checkpoint=resume)
+    stop = threading.Event()
+    bar = threading.Thread(target=_progress, args=(out_dir, total, stop), daemon=True)
+    bar.start()
+    t0 = time.time()
+    try:
+        trainer.fit()
+    finally:
+        stop.set()
+        bar.join(timeout=5)
+    wall = time.time() - t0
+    return finish(cfg, manifest, tcfg, wall)
+
+
+def finish(cfg: TrainConfig, manifest: dict, tcfg, wall: float) -> dict:
+    """Export the best head in every configured format and write report.json."""
+    out_dir = cfg.out_dir
+    tcfg = getattr(tcfg, "text_config", None) or tcfg
+    state, hcfg, _ = import_head(out_dir / "best", tcfg.num_hidden_layers)
+    exports = {}
+    for fmt in cfg.export_formats:
+        exports[fmt] = str(export_head(state, hcfg, manifest["aux_layer_ids"], tcfg.num_hidden_layers,
+                                       out_dir / f"head_{fmt}", fmt, str(cfg.target),
+                                       (tcfg.architectures or ["LlamaForCausalLM"])[0]))
+    history = json.loads((out_dir / "history.json").read_text()) if (out_dir / "history.json").is_file() else []
+    train_recs = [h for h in history if "loss" in h]
+    evals = [h for h in history if "sim_tau" in h]
+    best = json.loads((out_dir / "best" / "metrics.json").read_text())
+    report = {"wall_s": round(wall, 1), "steps": train_recs[-1]["step"] if train_recs else 0,
+              "first_loss": train_recs[0]["loss"] if train_recs else None,
+              "last_loss": train_recs[-1]["loss"] if train_recs else None,
+              "last_acc": train_recs[-1]["acc"] if train_recs else None,
+              "tokens_per_s": train_recs[-1]["tokens_per_s"] if train_recs else None,
+              "best": best, "evals": len(evals), "exports": exports, "formats": list(FORMATS)}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,145 @@
+"""Export / import of heads in the SGLang (`LlamaForCausalLMEagle3`) and vLLM speculators formats.
+
+Both formats hold the same tensors (DESIGN §4); speculators renames `midlayer.` to `layers.0.`. Aux
+layer ids are kept internally as "output of layer j" (our capture rule) and written in each format's
+own numbering: SGLang reads explicit ids as outputs, vLLM/speculators as inputs (j + 1). Every export
+and import checks the key set exactly: vLLM loads a head with a missing tensor silently.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from pipeline.hidden import default_aux_layers
+
+LAYER_KEYS = ["hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+              "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+HEAD_KEYS = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] + [f"midlayer.{k}" for k in LAYER_KEYS]
+FORMATS = ("sglang", "speculators")
+
+
+def check_keys(state: dict, where: str) -> None:
+    missing = sorted(set(HEAD_KEYS) - set(state))
+    extra = sorted(set(state) - set(HEAD_KEYS))
+    if missing or extra:
+        raise ValueError(f"{where}: head tensors do not match DESIGN §4 (missing {missing}, unexpected {extra})")
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
+    h, ht, hd = cfg.hidden_size, getattr(cfg, "target_hidden_size", None) or cfg.hidden_size, cfg.head_dim
+    nq, nkv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
+    return {"fc.weight": (h, 3 * ht), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
+            "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
+            "midlayer.hidden_norm.weight": (h,), "midlayer.input_layernorm.weight": (h,),
+            "midlayer.post_attention_layernorm.weight": (h,), "midlayer.self_attn.q_proj.weight": (nq, 2 * h),
+            "midlayer.self_attn.k_proj.weight": (nkv, 2 * h), "midlayer.self_attn.v_proj.weight": (nkv, 2 * h),
+            "midlayer.self_attn.o_proj.weight": (h, nq), "midlayer.mlp.gate_proj.weight": (inter, h),
+            "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter)}
+
+
+def _rope_fields(cfg: LlamaConfig) -> dict:
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def _llama_fields(cfg: LlamaConfig) -> dict:
+    return {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+            **_rope_fields(cfg), "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def export_head(state: dict, cfg: LlamaConfig, aux_layer_ids: list[int], num_target_layers: int, out: Path,
+                fmt: str, target_name: str = "", target_arch: str = "LlamaForCausalLM") -> Path:
+    """Write a head folder (config.json + model.safetensors) in `fmt`."""
+    state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    check_keys(state, "export")
+    for k, shape in expected_shapes(cfg).items():
+        if tuple(state[k].shape) != shape:
+            raise ValueError(f"export: {k} has shape {tuple(state[k].shape)}, expected {shape}")
+    out.mkdir(parents=True, exist_ok=True)
+    ht = getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
+    default = list(aux_layer_ids) == default_aux_layers(num_target_layers)
+    if fmt == "sglang":
+        conf = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg),
+                "eagle_config": {"use_aux_hidden_state": True}}
+        if ht != cfg.hidden_size:
+            conf["target_hidden_size"] = ht
+        if not default:  # SGLang numbering: output of layer j; vLLM would read these as inputs
+            conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+        tensors = state
+    elif fmt == "speculators":
+        conf = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                "speculators_version": "0.3.0", "draft_vocab_size": cfg.draft_vocab_size,
+                "target_hidden_size": ht, "norm_before_residual": False,
+                "eagle_aux_hidden_state_layer_ids": [j + 1 for j in aux_layer_ids],  # input-of-layer numbering
+                "transformer_layer_config": {**_llama_fields(cfg), "architectures": ["LlamaForCausalLM"]},
+                "speculators_config": {
+                    "algorithm": "eagle3", "default_proposal_method": "greedy",
+                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                          "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                    "verifier": {"name_or_path": target_name, "architectures": [target_arch]}},
+                "torch_dtype": "float32"}
+        tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+    else:
+        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(FORMATS)})")
+    (out / "config.json").write_text(json.dumps(conf, indent=2))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "eagleray_format": fmt})
+    return out
+
+
+def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dict, LlamaConfig, list[int] | None]:
+    """Read a head in either format -> (state in SGLang naming, head config, aux ids as outputs of layers;
+    None when the config relies on the default rule and num_target_layers is not given)."""
+    folder = Path(folder)
+    conf = json.loads((folder / "config.json").read_text())
+    raw = load_file(str(folder / "model.safetensors"))
+    if "speculators_config" in conf or conf.get("architectures") == ["Eagle3Speculator"]:
+        if conf.get("norm_before_residual", True):
+            raise ValueError(f"{folder}: norm_before_residual must be false for this head architecture")
+        fields = dict(conf["transformer_layer_config"])
+        fields.setdefault("draft_vocab_size", conf["draft_vocab_size"])
+        fields["target_hidden_size"] = conf.get("target_hidden_size", fields["hidden_size"])
+        ids = conf.get("eagle_aux_hidden_state_layer_ids")
+        aux = [j - 1 for j in ids] if ids else None
+        state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in raw.items()}
+        if "draft_id_to_target_id" in state:
+            state["d2t"] = state.pop("draft_id_to_target_id")
+    else:
+        fields = dict(conf)
+        fields.setdefault("target_hidden_size", fields["hidden_size"])
+        aux = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        state = dict(raw)
+        state.pop("embed_tokens.weight", None)  # some exports carry the target's embedding; we use the target's
+    if aux is None and num_target_layers is not None:
+        aux = default_aux_layers(num_target_layers)
+    check_keys(state, str(folder))
+    rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
+    if fields.get("rope_scaling"):
+        rope.update(fields["rope_scaling"])
+    cfg = LlamaConfig(
+        hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"], num_hidden_layers=1,
+        num_attention_heads=fields["num_attention_heads"], num_key_value_heads=fields["num_key_value_heads"],
+        head_dim=fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"],
+        vocab_size=fields["vocab_size"], rms_norm_eps=fields["rms_norm_eps"],
+        max_position_embeddings=fields["max_position_embeddings"], rope_parameters=rope, tie_word_embeddings=False)
+    cfg.draft_vocab_size = fields["draft_vocab_size"]
+    cfg.target_hidden_size = fields["target_hidden_size"]
+    for k, shape in expected_shapes(cfg).items():
+        if tuple(state[k].shape) != shape:
+            raise ValueError(f"{folder}: {k} has shape {tuple(state[k].shape)}, expected {shape}")
+    return state, cfg, aux
+
+
+def head_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The exportable tensors of an Eagle3Head (drops the non-persistent rotary cache)."""
+    return {k: v for k, v in head.state_dict().items() if k in HEAD_KEYS}

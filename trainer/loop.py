@@ -1,0 +1,253 @@
+"""The per-worker training loop: DeepSpeed ZeRO engine over the head, TTT loss, eval, checkpoints.
+
+Runs inside Ray Train workers (`train_loop_per_worker`). State that makes a resume exact lives in the
+checkpoint: DeepSpeed's model/optimizer/scheduler state plus trainer_state.json (global step, epoch,
+micro-batches consumed in that epoch, best simulated tau).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer.config import TrainConfig
+from trainer.data import collate, iter_micro_batches, val_rows
+from trainer.export import export_head, head_state
+from trainer.head import Eagle3Head, head_config_from_target
+from trainer.target_parts import load_target_parts
+from trainer.ttt import simulated_tau, target_distribution
+
+STATE_FILE = "trainer_state.json"
+CKPT_TAG = "ckpt"
+
+
+def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
+    warm = max(1, int(math.ceil(total * warmup_ratio)))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        prog = min(1.0, (step - warm) / max(1, total - warm))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+    return f
+
+
+def skip_shm_build() -> None:
+    """DeepSpeed compiles a C++ shared-memory op on first init on CPU (~50 s, STACK.md); gloo suffices."""
+    import deepspeed.comm.torch  # noqa: F401
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+class Runner:
+    def __init__(self, cfg: TrainConfig, total_steps: int, d2t: torch.Tensor, t2d: torch.Tensor,
+                 aux_layer_ids: list[int], storage_dtype: str):
+        import ray.train
+
+        self.cfg, self.total_steps, self.storage_dtype = cfg, total_steps, storage_dtype
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = torch.device("cuda", ctx.get_local_rank()) if cfg.scaling.use_gpu else torch.device("cpu")
+        if cfg.scaling.threads_per_worker:
+            torch.set_num_threads(cfg.scaling.threads_per_worker)
+        torch.manual_seed(cfg.seed)
+        emb, lm, tcfg = load_target_parts(cfg.target)
+        self.tcfg = getattr(tcfg, "text_config", None) or tcfg
+        self.aux_layer_ids = aux_layer_ids
+        hcfg = head_config_from_target(self.tcfg, len(d2t), cfg.model.intermediate_size)
+        head = Eagle3Head(hcfg)
+        if cfg.model.init_from is not None:
+            from trainer.export import import_head
+            state, _, _ = import_head(cfg.model.init_from, self.tcfg.num_hidden_layers)
+            head.load_state_dict(state, strict=False)
+        head.set_vocab(d2t, t2d)
+        self.hcfg = hcfg
+        self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
+        self.embed = emb.to(self.device, self.compute_dtype)
+        self.target_lm = lm.to(self.device, torch.float32)
+        self.t2d = t2d.to(self.device)
+        self.engine = self._engine(head)
+
+    def _engine(self, head):
+        import deepspeed
+
+        if not self.cfg.scaling.use_gpu:
+            skip_shm_build()
+        o = self.cfg.optim
+        opt = torch.optim.AdamW(head.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
+        ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": o.grad_accum,
+                  "gradient_clipping": o.grad_clip, "steps_per_print": 10 ** 9,
+                  "zero_optimization": {"stage": self.cfg.deepspeed.zero_stage},
+                  "bf16": {"enabled": self.cfg.deepspeed.dtype == "bf16"}, "zero_allow_untested_optimizer": True}
+        engine, _, _, _ = deepspeed.initialize(model=head.to(self.device), optimizer=opt, lr_scheduler=sched,
+                                               config=ds_cfg)
+        return engine
+
+    def forward(self, rows: list[dict]) -> tuple[dict, int]:
+        b = collate(rows, self.storage_dtype, self.tcfg.hidden_size)
+        ids, mask = b["input_ids"].to(self.device), b["loss_mask"].to(self.device)
+        with torch.no_grad():
+            emb = F.embedding(ids, self.embed)
+            tlogits = b["last"].to(self.device, torch.float32) @ self.target_lm.T
+            p, am = target_distribution(tlogits, self.t2d)
+        out = self.engine(b["aux"].to(self.device, self.compute_dtype), emb, p, am, mask,
+                          self.cfg.model.ttt_length, self.cfg.model.decay)
+        return out, sum(len(r["input_ids"]) for r in rows)
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.detach().float().clone()
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def evaluate(self, rows: list[dict]) -> dict:
+        mine = rows[self.rank::self.world]
+        L = self.cfg.model.ttt_length
+        sums = torch.zeros(3 * L + 1)
+        self.engine.eval()
+        with torch.no_grad():
+            for i in range(0, max(len(mine), 1), 8):
+                chunk = mine[i:i + 8]
+                if not chunk:
+                    break
+                out, _ = self.forward(chunk)
+                sums[:L] += out["step_loss"].float().cpu() * len(chunk)
+                sums[L:2 * L] += out["step_correct"].cpu()
+                sums[2 * L:3 * L] += out["step_count"].cpu()
+                sums[3 * L] += len(chunk)
+        self.engine.train()
+        sums = self.all_sum(sums)
+        acc = (sums[L:2 * L] / sums[2 * L:3 * L].clamp(min=1)).tolist()
+        return {"val_loss": (sums[:L] / sums[3 * L].clamp(min=1)).tolist(), "val_acc": acc,
+                "sim_tau": simulated_tau(acc)}
+
+    def gathered_state(self) -> dict:
+        import deepspeed
+
+        params = list(self.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.deepspeed.zero_stage == 3):
+            return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
+                    for k, v in head_state(self.engine.module).items()}
+
+    def save_best(self, metrics: dict) -> None:
+        state = self.gathered_state()  # every rank joins the gather under ZeRO-3
+        if self.rank != 0:
+            return
+        out = Path(self.cfg.out_dir) / "best"
+        export_head(state, self.hcfg, self.aux_layer_ids, self.tcfg.num_hidden_layers, out, "sglang",
+                    str(self.cfg.target), (self.tcfg.architectures or ["LlamaForCausalLM"])[0])
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+
+
+def train_loop_per_worker(config: dict) -> None:
+    import ray.train
+    from ray.train import Checkpoint
+    from torch.utils.tensorboard import SummaryWriter
+
+    cfg = TrainConfig.model_validate(config["cfg"])
+    run = Runner(cfg, config["total_steps"], config["d2t"], config["t2d"], config["aux_layer_ids"],
+                 config["storage_dtype"])
+    val = val_rows(Path(cfg.data.shards), cfg.data.val_rows).to_pylist() if cfg.data.val_rows else []
+    state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
+    ckpt = ray.train.get_checkpoint()
+    if ckpt:
+        with ckpt.as_directory() as d:
+            run.engine.load_checkpoint(d, tag=CKPT_TAG)
+            state = json.loads((Path(d) / STATE_FILE).read_text())
+    writer = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard")) if run.rank == 0 else None
+    shard = ray.train.get_dataset_shard("train")
+    L, accum = cfg.model.ttt_length, cfg.optim.grad_accum
+    win = torch.zeros(3 * L + 2)  # loss sums, correct, counted, micro-batches, tokens
+    t_win = time.time()
+
+    def checkpoint(metrics: dict) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            run.engine.save_checkpoint(d, tag=CKPT_TAG)
+            if run.rank == 0:
+                (Path(d) / STATE_FILE).write_text(json.dumps(state))
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+
+    def finite_everywhere(loss: torch.Tensor) -> bool:
+        return bool(run.all_sum(torch.tensor(float(not torch.isfinite(loss).item()))).item() == 0)
+
+    done = state["global_step"] >= config["total_steps"]
+    while not done and state["epoch"] < cfg.epochs:
+        stream = iter_micro_batches(shard.iter_batches(batch_size=64, batch_format="numpy"),
+                                    cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
+                                    cfg.data.bucket_pool, cfg.data.seed, state["epoch"])
+        for _ in range(state["batches_in_epoch"]):  # replay the epoch's order up to where we stopped
+            next(stream, None)
+        while True:
+            rows = next(stream, None)
+            # Every rank must take the same number of steps: stop the epoch when any rank runs dry.
+            if run.all_sum(torch.tensor(0.0 if rows is None else 1.0)).item() < run.world:
+                break
+            out, ntok = run.forward(rows)
+            if not finite_everywhere(out["loss"]):
+                raise FloatingPointError(
+                    f"non-finite loss at step {state['global_step']} (epoch {state['epoch']}); training stopped, "
+                    f"the last good checkpoint is the latest one reported before this step")
+            run.engine.backward(out["loss"])
+            run.engine.step()
+            state["batches_in_epoch"] += 1
+            win[:L] += out["step_loss"].float().cpu()
+            win[L:2 * L] += out["step_correct"].cpu()
+            win[2 * L:3 * L] += out["step_count"].cpu()
+            win[3 * L] += 1
+            win[3 * L + 1] += ntok
+            if state["batches_in_epoch"] % accum:
+                continue
+            state["global_step"] += 1
+            step = state["global_step"]
+            if step % cfg.log_every == 0 or step == config["total_steps"]:
+                w = run.all_sum(win)
+                secs = max(time.time() - t_win, 1e-9)
+                acc = (w[L:2 * L] / w[2 * L:3 * L].clamp(min=1)).tolist()
+                rec = {"step": step, "epoch": state["epoch"], "loss": (w[:L] / w[3 * L]).tolist(), "acc": acc,
+                       "lr": run.engine.get_lr()[0], "grad_norm": float(run.engine.get_global_grad_norm() or 0.0),
+                       "tokens_per_s": float(w[3 * L + 1]) / secs, "sim_tau_train": simulated_tau(acc)}
+                state["history"].append(rec)
+                if writer:
+                    for s in range(L):
+                        writer.add_scalar(f"loss/step{s}", rec["loss"][s], step)
+                        writer.add_scalar(f"acc/step{s}", acc[s], step)
+                    for k in ("lr", "grad_norm", "tokens_per_s", "sim_tau_train"):
+                        writer.add_scalar(f"train/{k}", rec[k], step)
+                    Path(cfg.out_dir, "progress.json").write_text(json.dumps(
+                        rec | {"total_steps": config["total_steps"]}))
+                win.zero_()
+                t_win = time.time()
+            if val and (step % cfg.eval_every == 0 or step == config["total_steps"]):
+                ev = run.evaluate(val) | {"step": step}
+                state["history"].append(ev)
+                if writer:
+                    writer.add_scalar("eval/sim_tau", ev["sim_tau"], step)
+                    for s in range(L):
+                        writer.add_scalar(f"eval/acc_step{s}", ev["val_acc"][s], step)
+                if ev["sim_tau"] > state["best_tau"]:
+                    state["best_tau"] = ev["sim_tau"]
+                    run.save_best(ev)
+            if step % cfg.checkpoint_every == 0 or step == config["total_steps"]:
+                checkpoint({"step": step, "best_tau": state["best_tau"]})
+            if step >= config["total_steps"]:
+                done = True
+                break
+        if not done:
+            state["epoch"] += 1
+            state["batches_in_epoch"] = 0
+    if not val:  # nothing to choose by: the final head is the best one
+        run.save_best({"step": state["global_step"], "note": "no validation rows; final weights"})
+    if state["global_step"] % cfg.checkpoint_every and state["global_step"] != config["total_steps"]:
+        checkpoint({"step": state["global_step"], "best_tau": state["best_tau"]})
+    if writer:
+        writer.close()
+        Path(cfg.out_dir, "history.json").write_text(json.dumps(state["history"], indent=1))

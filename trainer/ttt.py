@@ -1,0 +1,78 @@
+"""Training-time test (DESIGN §5) as pure functions: shifts, attention masks, positions, loss, tau.
+
+Step s, position i: the draft element pairs the feature standing in for target position i + s with the
+embedding of token i + 1 + s, is rotated at RoPE position i + s, and learns the target distribution at
+position i + 1 + s (the prediction of token i + 2 + s), counted where token i + 2 + s is a loss token.
+It attends to step-0 keys 0..i (causal) and to its own position's keys from steps 1..s (the diagonal).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, n:] padded at the end with `fill` to the same length (dim 1)."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1) if n < x.shape[1] else torch.full_like(x, fill)
+
+
+def ttt_positions(seq_len: int, step: int) -> torch.Tensor:
+    """RoPE positions of step `step`'s queries (and keys): i + step."""
+    return torch.arange(seq_len) + step
+
+
+def ttt_attention_mask(seq_len: int, step: int) -> torch.Tensor:
+    """Dense boolean mask [T, T * (step + 1)] of what step `step`'s queries see, keys ordered step 0
+    (positions 0..T-1), then step 1, ... step `step`. Reference for the blocked implementation."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    diag = torch.eye(seq_len, dtype=torch.bool)
+    return torch.cat([causal] + [diag] * step, dim=1)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  causal_bias: torch.Tensor) -> torch.Tensor:
+    """Blocked TTT attention. q [B, h, T, d]; keys/values: one [B, h, T, d] per step 0..s (already
+    expanded to h heads); causal_bias [T, T] additive (0 / -inf). Equals softmax over the dense mask of
+    `ttt_attention_mask` without building a [T, T*(s+1)] matrix."""
+    scale = q.shape[-1] ** -0.5
+    scores = [torch.matmul(q, keys[0].transpose(-1, -2)) * scale + causal_bias]
+    scores += [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
+    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    t = q.shape[2]
+    out = torch.matmul(probs[..., :t], values[0])
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., t + j: t + j + 1] * v
+    return out
+
+
+def target_distribution(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits over the full vocab -> (p over the draft vocab, renormalised; target argmax id)."""
+    return torch.softmax(target_logits[..., t2d].float(), dim=-1), target_logits.argmax(-1)
+
+
+def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
+    """-sum_v mask * p * log_softmax(draft), averaged over all B*T positions (DESIGN §5.4)."""
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    return -(position_mask.unsqueeze(-1) * target_p * logp).sum(-1).mean()
+
+
+def step_correct(draft_logits: torch.Tensor, d2t: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    """Per position: draft argmax mapped to target ids equals the target's argmax."""
+    draft_ids = draft_logits.argmax(-1)
+    return (draft_ids + d2t[draft_ids]) == target_argmax
+
+
+def simulated_tau(step_acc: list[float]) -> float:
+    """Chain acceptance length from per-step accuracies: 1 + a0 + a0*a1 + ... (the bonus token is
+    always there; step s is reached only if steps 0..s-1 were accepted)."""
+    tau, run = 1.0, 1.0
+    for a in step_acc:
+        run *= a
+        tau += run
+    return tau
+
+
+def step_weights(ttt_length: int, decay: float) -> list[float]:
+    return [decay ** s for s in range(ttt_length)]
