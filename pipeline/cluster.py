@@ -20,7 +20,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if address:
         ray.init(address=address, log_to_driver=True)
         return f"joined {address}"
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+    # The dashboard serves the state API that Ray Train's controller polls; without it, it logs every second.
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
     return "started a local Ray"
 
 

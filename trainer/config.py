@@ -57,6 +57,8 @@ class TrainConfig(StrictModel):
     deepspeed: DeepSpeedCfg = DeepSpeedCfg()
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, gt=0)  # optimizer steps; default: epochs over the data
+    run_steps: int | None = Field(None, gt=0)  # stop (with a checkpoint) after this many steps in this
+    #                                            invocation, e.g. a time-limited allocation; rerun to go on
     checkpoint_every: int = Field(50, gt=0)
     eval_every: int = Field(25, gt=0)
     log_every: int = Field(5, gt=0)

@@ -35,8 +35,8 @@ def estimate_total_steps(cfg: TrainConfig, held_out: set[str]) -> int:
         lengths += [len(x) for rid, x in zip(t["id"].to_pylist(), t["input_ids"].to_pylist()) if rid not in held_out]
     per_worker = math.ceil(len(lengths) / cfg.scaling.num_workers)
     pool = cfg.data.bucket_pool
-    batches = sum(len(plan_batches(lengths[i:i + pool], cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
-                                   random.Random(0))) for i in range(0, per_worker, pool))
+    batches = sum(len(plan_batches(lengths[i:min(i + pool, per_worker)], cfg.data.max_tokens_per_batch,
+                                   cfg.data.max_rows_per_batch, random.Random(0))) for i in range(0, per_worker, pool))
     return max(1, cfg.epochs * batches // cfg.optim.grad_accum)
 
 
@@ -107,7 +107,7 @@ def run_training(cfg: TrainConfig) -> dict:
         ds = ds.map_batches(drop_ids, batch_format="pyarrow", fn_kwargs={"ids": sorted(held_out)})
     storage = out_dir / "ray"
     resume = latest_checkpoint(storage)
-    if resume:
+    if resume:  # Ray Train V2 restores a run of the same name and storage path from its latest checkpoint
         print(f"trainer: resuming from {resume.path}", flush=True)
     exec_opts = ray.data.ExecutionOptions(preserve_order=True)
     trainer = TorchTrainer(
@@ -120,8 +120,7 @@ def run_training(cfg: TrainConfig) -> dict:
         datasets={"train": ds}, dataset_config=DataConfig(execution_options=exec_opts),
         run_config=RunConfig(name=RUN_NAME, storage_path=str(storage),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-                             failure_config=FailureConfig(max_failures=0)),
-        resume_from_checkpoint=resume)
+                             failure_config=FailureConfig(max_failures=0)))
     stop = threading.Event()
     bar = threading.Thread(target=_progress, args=(out_dir, total, stop), daemon=True)
     bar.start()

@@ -179,7 +179,11 @@ def train_loop_per_worker(config: dict) -> None:
     def finite_everywhere(loss: torch.Tensor) -> bool:
         return bool(run.all_sum(torch.tensor(float(not torch.isfinite(loss).item()))).item() == 0)
 
-    done = state["global_step"] >= config["total_steps"]
+    if val and state["global_step"] == 0 and not state["history"]:  # the baseline every curve starts from
+        state["history"].append(run.evaluate(val) | {"step": 0})
+    start_step = state["global_step"]
+    stop_at = min(config["total_steps"], start_step + (cfg.run_steps or config["total_steps"]))
+    done = state["global_step"] >= stop_at
     while not done and state["epoch"] < cfg.epochs:
         stream = iter_micro_batches(shard.iter_batches(batch_size=64, batch_format="numpy"),
                                     cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
@@ -226,7 +230,7 @@ def train_loop_per_worker(config: dict) -> None:
                         rec | {"total_steps": config["total_steps"]}))
                 win.zero_()
                 t_win = time.time()
-            if val and (step % cfg.eval_every == 0 or step == config["total_steps"]):
+            if val and (step % cfg.eval_every == 0 or step == stop_at):
                 ev = run.evaluate(val) | {"step": step}
                 state["history"].append(ev)
                 if writer:
@@ -236,9 +240,9 @@ def train_loop_per_worker(config: dict) -> None:
                 if ev["sim_tau"] > state["best_tau"]:
                     state["best_tau"] = ev["sim_tau"]
                     run.save_best(ev)
-            if step % cfg.checkpoint_every == 0 or step == config["total_steps"]:
+            if step % cfg.checkpoint_every == 0 or step == stop_at:
                 checkpoint({"step": step, "best_tau": state["best_tau"]})
-            if step >= config["total_steps"]:
+            if step >= stop_at:
                 done = True
                 break
         if not done:
@@ -246,7 +250,7 @@ def train_loop_per_worker(config: dict) -> None:
             state["batches_in_epoch"] = 0
     if not val:  # nothing to choose by: the final head is the best one
         run.save_best({"step": state["global_step"], "note": "no validation rows; final weights"})
-    if state["global_step"] % cfg.checkpoint_every and state["global_step"] != config["total_steps"]:
+    if state["global_step"] % cfg.checkpoint_every and state["global_step"] != stop_at:
         checkpoint({"step": state["global_step"], "best_tau": state["best_tau"]})
     if writer:
         writer.close()

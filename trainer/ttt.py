@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Softmax-style reductions run in at least fp32 (bf16/fp16 inputs are widened, fp64 kept)."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     """x[:, n:] padded at the end with `fill` to the same length (dim 1)."""
     if n == 0:
@@ -39,7 +44,7 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     scale = q.shape[-1] ** -0.5
     scores = [torch.matmul(q, keys[0].transpose(-1, -2)) * scale + causal_bias]
     scores += [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
-    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    probs = torch.softmax(_wide(torch.cat(scores, dim=-1)), dim=-1).to(q.dtype)
     t = q.shape[2]
     out = torch.matmul(probs[..., :t], values[0])
     for j, v in enumerate(values[1:]):
@@ -49,12 +54,12 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 
 def target_distribution(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits over the full vocab -> (p over the draft vocab, renormalised; target argmax id)."""
-    return torch.softmax(target_logits[..., t2d].float(), dim=-1), target_logits.argmax(-1)
+    return torch.softmax(_wide(target_logits[..., t2d]), dim=-1), target_logits.argmax(-1)
 
 
 def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
     """-sum_v mask * p * log_softmax(draft), averaged over all B*T positions (DESIGN §5.4)."""
-    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    logp = torch.log_softmax(_wide(draft_logits), dim=-1)
     return -(position_mask.unsqueeze(-1) * target_p * logp).sum(-1).mean()
 
 

@@ -1,0 +1,92 @@
+"""Trainer on Ray Train + DeepSpeed (2 CPU workers): ZeRO 1/2/3, exact resume, NaN stop, manifest checks."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import write_yaml
+from pipeline.config import load_config
+from trainer.config import TrainConfig
+
+pytestmark = pytest.mark.slow
+
+
+def train_cfg(tmp_path: Path, pipeline_run: Path, tiny_target: Path, **over) -> TrainConfig:
+    tree = {"target": str(tiny_target), "out_dir": str(tmp_path / "out"),
+            "data": {"shards": str(pipeline_run / "capture"), "max_tokens_per_batch": 1024,
+                     "max_rows_per_batch": 4, "bucket_pool": 32, "val_rows": 8},
+            "model": {"ttt_length": 3},
+            "optim": {"lr": 3e-3, "warmup_ratio": 0.1},
+            "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "threads_per_worker": 1},
+            "deepspeed": {"zero_stage": 2}, "max_steps": 6, "checkpoint_every": 3, "eval_every": 3, "log_every": 1}
+    overrides = [f"{k}={v}" for k, v in over.items()]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return load_config(TrainConfig, write_yaml(tmp_path / "train.yaml", tree), overrides)
+
+
+def train_losses(out: Path) -> list[list[float]]:
+    return [h["loss"] for h in json.loads((out / "history.json").read_text()) if "loss" in h]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_train_on_two_workers(stage, tmp_path, ray_cluster, pipeline_run, tiny_target):
+    from trainer.driver import run_training
+
+    report = run_training(train_cfg(tmp_path, pipeline_run, tiny_target, max_steps=10, epochs=5,
+                                    **{"deepspeed.zero_stage": stage, "optim.lr": 5e-3}))
+    assert len(train_losses(tmp_path / "out")) == 10
+    evals = [h for h in json.loads((tmp_path / "out/history.json").read_text()) if "val_loss" in h]
+    assert [e["step"] for e in evals] == [0, 3, 6, 9, 10]
+    assert evals[-1]["val_loss"][0] < 0.9 * evals[0]["val_loss"][0]  # held-out step-0 loss falls
+    for fmt in ("sglang", "speculators"):
+        tensors = load_file(str(tmp_path / "out" / f"head_{fmt}" / "model.safetensors"))
+        assert len(tensors) == 15 and all(torch.isfinite(v.float()).all() for v in tensors.values())
+    assert report["best"]["sim_tau"] >= 1.0
+
+
+def test_resume_is_exact(tmp_path, ray_cluster, pipeline_run, tiny_target):
+    from trainer.driver import run_training
+
+    one = dict(**{"scaling.num_workers": 1, "scaling.cpus_per_worker": 1, "max_steps": 20, "epochs": 3,
+                  "checkpoint_every": 10, "eval_every": 100})
+    run_training(train_cfg(tmp_path / "a", pipeline_run, tiny_target, **one))
+    straight = train_losses(tmp_path / "a/out")
+    run_training(train_cfg(tmp_path / "b", pipeline_run, tiny_target, run_steps=10, **one))
+    assert len(train_losses(tmp_path / "b/out")) == 10
+    run_training(train_cfg(tmp_path / "b", pipeline_run, tiny_target, **one))  # resumes at step 10
+    resumed = train_losses(tmp_path / "b/out")
+    assert len(straight) == len(resumed) == 20
+    assert max(abs(x - y) for a, b in zip(straight, resumed) for x, y in zip(a, b)) <= 1e-6
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, ray_cluster, pipeline_run, tiny_target):
+    from trainer.driver import latest_checkpoint, run_training
+
+    cfg = train_cfg(tmp_path, pipeline_run, tiny_target, **{"optim.lr": 1e20, "optim.warmup_ratio": 0.0,
+                                                             "checkpoint_every": 1, "eval_every": 100})
+    with pytest.raises(Exception, match="non-finite loss at step"):
+        run_training(cfg)
+    ck = latest_checkpoint(tmp_path / "out" / "ray")
+    assert ck is not None
+    state = json.loads((Path(ck.path) / "trainer_state.json").read_text())
+    assert state["global_step"] >= 1
+    assert all(all(torch.isfinite(torch.tensor(x)).all() for x in h["loss"]) for h in state["history"] if "loss" in h)
+
+
+def test_shards_from_another_target_are_refused(tmp_path, pipeline_run, tiny_target):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.shards import read_manifest
+    from test_pipeline_capture import make_random_target
+    from trainer.data import check_manifest
+
+    other = make_random_target("qwen3", tiny_target, tmp_path / "other")
+    man = read_manifest(pipeline_run / "capture")
+    with pytest.raises(ValueError, match="manifest field target_config_sha256"):
+        check_manifest(man, other, AutoTokenizer.from_pretrained(other), AutoConfig.from_pretrained(other))
+    bad = dict(man, hidden_size=128)
+    with pytest.raises(ValueError, match="manifest field hidden_size is 128"):
+        check_manifest(bad, tiny_target, AutoTokenizer.from_pretrained(tiny_target),
+                       AutoConfig.from_pretrained(tiny_target))
