@@ -32,6 +32,9 @@ demo: $(STAMP)
 	$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo --corpus $(DEMO)/corpus/train.jsonl --reuse
 	$(PY) -m pipeline configs/pipeline/demo.yaml
 	@echo "demo data: $(DEMO)/data (ingest/ regenerate/ tokenize/ capture/ with manifest.json and draft_vocab.safetensors)"
+	rm -rf $(DEMO)/head
+	$(PY) -m trainer configs/trainer/demo.yaml
+	@echo "demo head: $(DEMO)/head (head_sglang/, head_speculators/, best/metrics.json, tensorboard/)"
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -125,6 +125,10 @@ def pending_shards(out_dir: Path, tokens: pa.Table, ranges, signature: dict) -> 
     ids, lens = tokens.column("id").to_pylist(), tokens.column("n_tokens").to_pylist()
     for stale in out_dir.glob(".shard-*.tmp"):
         stale.unlink()  # a killed writer's leftovers; the shard is redone below
+    names = {shard_name(i) for i, _, _ in ranges}
+    for extra in out_dir.glob("shard-*.parquet"):
+        if extra.name not in names:  # from an earlier run over more rows
+            extra.unlink()
     for index, start, end in ranges:
         path = out_dir / shard_name(index)
         if path.is_file():

@@ -94,3 +94,15 @@ def test_manifest_and_vocab(pipeline_run):
     assert str(schema.field("aux_hidden").type) == "binary"
     meta = pq.read_metadata(pipeline_run / "capture" / "shard-00000.parquet")
     assert meta.row_group(0).column(3).compression == "ZSTD"
+
+
+def test_plan_estimate_close_to_actual(pipeline_run):
+    from pipeline.plan import estimate_storage
+    from pipeline.schema import PipelineConfig
+
+    cfg = PipelineConfig.model_validate_json((pipeline_run / "pipeline_config.json").read_text())
+    plan = estimate_storage(cfg, pipeline_run / "tokenize/tokens.parquet")
+    man = read_manifest(pipeline_run / "capture")
+    assert plan["tokens"] == man["tokens"]
+    assert plan["raw_total_bytes"] == man["raw_hidden_bytes"] == man["tokens"] * 4 * 64 * 2
+    assert abs(plan["est_disk_total_bytes"] - man["bytes"]) / man["bytes"] < 0.10

@@ -167,7 +167,7 @@ def train_loop_per_worker(config: dict) -> None:
     shard = ray.train.get_dataset_shard("train")
     L, accum = cfg.model.ttt_length, cfg.optim.grad_accum
     win = torch.zeros(3 * L + 2)  # loss sums, correct, counted, micro-batches, tokens
-    t_win = time.time()
+    t_win, steps_win = time.time(), 0
 
     def checkpoint(metrics: dict) -> None:
         with tempfile.TemporaryDirectory() as d:
@@ -211,6 +211,7 @@ def train_loop_per_worker(config: dict) -> None:
             if state["batches_in_epoch"] % accum:
                 continue
             state["global_step"] += 1
+            steps_win += 1
             step = state["global_step"]
             if step % cfg.log_every == 0 or step == config["total_steps"]:
                 w = run.all_sum(win)
@@ -218,7 +219,8 @@ def train_loop_per_worker(config: dict) -> None:
                 acc = (w[L:2 * L] / w[2 * L:3 * L].clamp(min=1)).tolist()
                 rec = {"step": step, "epoch": state["epoch"], "loss": (w[:L] / w[3 * L]).tolist(), "acc": acc,
                        "lr": run.engine.get_lr()[0], "grad_norm": float(run.engine.get_global_grad_norm() or 0.0),
-                       "tokens_per_s": float(w[3 * L + 1]) / secs, "sim_tau_train": simulated_tau(acc)}
+                       "tokens_per_s": float(w[3 * L + 1]) / secs, "step_s": secs / steps_win,
+                       "sim_tau_train": simulated_tau(acc)}
                 state["history"].append(rec)
                 if writer:
                     for s in range(L):
@@ -229,7 +231,7 @@ def train_loop_per_worker(config: dict) -> None:
                     Path(cfg.out_dir, "progress.json").write_text(json.dumps(
                         rec | {"total_steps": config["total_steps"]}))
                 win.zero_()
-                t_win = time.time()
+                t_win, steps_win = time.time(), 0
             if val and (step % cfg.eval_every == 0 or step == stop_at):
                 ev = run.evaluate(val) | {"step": step}
                 state["history"].append(ev)
