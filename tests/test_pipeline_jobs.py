@@ -68,3 +68,18 @@ def test_ray_job_submit(tmp_path, ray_cluster, tiny_target, demo_corpus):
     man = json.loads((tmp_path / "run/capture/manifest.json").read_text())
     assert man["rows"] == 24
     assert (tmp_path / "run/capture/draft_vocab.safetensors").is_file()
+
+
+def test_trainer_under_ray_job_submit(tmp_path, ray_cluster, pipeline_run, tiny_target):
+    tree = {"target": str(tiny_target), "out_dir": str(tmp_path / "head"),
+            "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 8, "val_rows": 8},
+            "model": {"ttt_length": 2}, "max_steps": 3, "log_every": 1,
+            "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "threads_per_worker": 1}}
+    cfg = write_yaml(tmp_path / "t.yaml", tree)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    res = subprocess.run([ray_bin, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", str(REPO),
+                          "--", "python", "-m", "trainer", str(cfg)], cwd=REPO, env=ray_cluster["env"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    report = json.loads((tmp_path / "head/report.json").read_text())
+    assert report["steps"] == 3 and (tmp_path / "head/head_speculators/model.safetensors").is_file()
