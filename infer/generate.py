@@ -1,0 +1,176 @@
+"""Speculative generation with an EAGLE-3 head over any Hugging Face causal LM (batch 1).
+
+    gen = EagleGenerator.from_folders("runs/demo/target", "runs/demo/head/head_sglang")
+    out = gen.generate(prompt_ids, SpecSettings(mode="tree", top_k=4, depth=5, total_tokens=16))
+    out.tokens, out.stats.tau, out.stats.accept_by_depth
+
+Each round: grow a tree with the draft, verify it in one target forward (4D mask, explicit positions,
+the target's own cache), accept (greedy or lossless sampling), compact the target's K/V to the accepted
+path, and let the draft ingest the committed positions' aux states from that same forward.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from infer.draft import DraftRunner
+from infer.target import TargetRunner, compact_cache
+from infer.tree import accept_greedy, accept_sampling, compaction_indices, verify_mask
+
+
+@dataclass
+class SpecSettings:
+    mode: Literal["tree", "chain", "vanilla"] = "tree"
+    top_k: int = 4
+    depth: int = 5
+    total_tokens: int = 16
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0                 # target verify forwards after prefill
+    new_tokens: int = 0             # generated tokens (the prefill's first token included)
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
+    depth: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify forward, bonus included (SGLang's completion_tokens / spec_verify_ct)."""
+        return self.new_tokens / max(1, self.rounds)
+
+    @property
+    def accept_by_depth(self) -> list[float]:
+        """Share of rounds that accepted at least d + 1 draft tokens, d = 0 .. depth-1."""
+        n = max(1, len(self.accepted))
+        return [sum(a > d for a in self.accepted) / n for d in range(self.depth)]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    stats: SpecStats
+    finish_reason: str  # "eos" | "stop" | "length"
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The target's sampling distribution, with the same temperature / top-p rules as HF generate."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    scores = TemperatureLogitsWarper(temperature)(None, logits.float())
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)
+
+
+class EagleGenerator:
+    def __init__(self, target, tokenizer, head, aux_layer_ids: list[int]):
+        self.target = TargetRunner(target, aux_layer_ids)
+        self.tokenizer = tokenizer
+        embed = target.get_input_embeddings().weight.detach()
+        self.draft = DraftRunner(head.to(embed.device, embed.dtype) if head is not None else None, embed) \
+            if head is not None else None
+        eos = target.generation_config.eos_token_id if target.generation_config else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    @classmethod
+    def from_folders(cls, target_dir: str | Path, head_dir: str | Path | None, dtype=torch.float32, device="cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from trainer.export import import_head
+        from trainer.head import Eagle3Head
+
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+        tok = AutoTokenizer.from_pretrained(target_dir)
+        n_layers = target.config.get_text_config().num_hidden_layers
+        head, aux = None, None
+        if head_dir is not None:
+            state, hcfg, aux = import_head(Path(head_dir), n_layers)
+            head = Eagle3Head(hcfg)
+            head.load_state_dict(state, strict=False)
+            head.set_vocab(state["d2t"], state["t2d"])
+        from pipeline.hidden import default_aux_layers
+        return cls(target, tok, head, aux or default_aux_layers(n_layers))
+
+    def _pick(self, logits: torch.Tensor, s: SpecSettings, gen: torch.Generator | None) -> int:
+        if s.temperature <= 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(sampling_probs(logits[None], s.temperature, s.top_p)[0], 1, generator=gen))
+
+    def _finish(self, out: list[int], s: SpecSettings) -> tuple[list[int], str | None]:
+        """Cut at EOS, a stop string or max_new_tokens; returns (tokens, reason or None to go on)."""
+        for i, t in enumerate(out):
+            if t in self.eos:
+                return out[: i + 1], "eos"
+        if s.stop:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if any(st in text for st in s.stop):
+                for i in range(1, len(out) + 1):
+                    if any(st in self.tokenizer.decode(out[:i], skip_special_tokens=True) for st in s.stop):
+                        return out[:i], "stop"
+        if len(out) >= s.max_new_tokens:
+            return out[: s.max_new_tokens], "length"
+        return out, None
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], s: SpecSettings = SpecSettings()) -> Generation:
+        from transformers import DynamicCache
+
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        mode = s.mode if self.draft is not None else "vanilla"
+        depth = 0 if mode == "vanilla" else s.depth
+        stats = SpecStats(depth=depth)
+        cache = DynamicCache()
+        prompt = torch.tensor(prompt_ids, dtype=torch.long)
+        plen = len(prompt_ids)
+        logits, aux = self.target.forward(prompt, torch.arange(plen), cache)
+        out = [self._pick(logits[-1], s, gen)]
+        out, reason = self._finish(out, s)
+        if mode != "vanilla" and reason is None:
+            self.draft.reset()
+            nxt = torch.cat([prompt[1:], torch.tensor(out[-1:])])
+            hid, dlog = self.draft.ingest(aux, nxt.to(aux.device), torch.arange(plen, device=aux.device))
+        while reason is None:
+            root = out[-1]
+            if mode == "vanilla":
+                logits, _ = self.target.forward(torch.tensor([root]), torch.tensor([plen]), cache)
+                plen += 1
+                stats.rounds += 1
+                stats.accepted.append(0)
+                out, reason = self._finish(out + [self._pick(logits[-1], s, gen)], s)
+                continue
+            k, total = (1, depth + 1) if mode == "chain" else (s.top_k, s.total_tokens)
+            tree = self.draft.build_tree(root, hid, dlog, plen - 1, k, depth, total)
+            logits, aux = self.target.forward(tree.tokens, tree.positions(plen), cache,
+                                              verify_mask(tree, plen, self.target.dtype))
+            if s.temperature <= 0:
+                accepted, bonus = accept_greedy(tree, logits.argmax(-1))
+            else:
+                accepted, bonus = accept_sampling(tree, sampling_probs(logits, s.temperature, s.top_p), gen)
+            src, dst = compaction_indices(plen, accepted)
+            compact_cache(cache, src, dst, plen + len(accepted))
+            new = tree.tokens[accepted[1:]].tolist() + [bonus]
+            stats.rounds += 1
+            stats.accepted.append(len(accepted) - 1)
+            out, reason = self._finish(out + new, s)
+            if reason is None:
+                idx = torch.tensor(accepted, device=aux.device)
+                hid, dlog = self.draft.ingest(aux[idx], torch.tensor(new, device=aux.device),
+                                              plen + torch.arange(len(accepted), device=aux.device))
+                plen += len(accepted)
+        stats.new_tokens = len(out)
+        stats.seconds = time.perf_counter() - t0
+        return Generation(out, self.tokenizer.decode(out, skip_special_tokens=True), stats, reason)
+

@@ -1,0 +1,51 @@
+"""The target side of speculative decoding: any HF causal LM on its own KV cache, with aux capture.
+
+Forward hooks on the decoder layers collect the same aux states as the pipeline's capture rule, during
+prefill and during every tree verify, so the draft never needs a second pass over the target.
+"""
+from __future__ import annotations
+
+import torch
+
+from pipeline.hidden import decoder_layers
+
+
+class TargetRunner:
+    def __init__(self, model, aux_layer_ids: list[int]):
+        self.model = model.eval()
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        layers = decoder_layers(model)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__}: cannot find its decoder layers to capture aux states")
+        self._grabbed: dict[int, torch.Tensor] = {}
+        for j in self.aux_layer_ids:
+            layers[j].register_forward_hook(self._hook(j))
+
+    def _hook(self, j: int):
+        def fn(_module, _inputs, output):
+            self._grabbed[j] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask4d: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [n] -> (logits [n, V] fp32, aux [n, 3H]); appends n rows to `cache`."""
+        out = self.model(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
+                         attention_mask=None if mask4d is None else mask4d.to(self.device),
+                         past_key_values=cache, use_cache=True)
+        aux = torch.cat([self._grabbed[j][0] for j in self.aux_layer_ids], dim=-1)
+        return out.logits[0].float(), aux
+
+
+def compact_cache(cache, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None:
+    """Move the accepted path's K/V rows (src -> dst slots) in every layer, then drop the rest."""
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None:
+            continue
+        s, d = src.to(layer.keys.device), dst.to(layer.keys.device)
+        layer.keys[:, :, d] = layer.keys[:, :, s]
+        layer.values[:, :, d] = layer.values[:, :, s]
+        layer.keys = layer.keys[:, :, :new_len]
+        layer.values = layer.values[:, :, :new_len]
