@@ -42,6 +42,8 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
     depth: int = 0
     seconds: float = 0.0
+    eos_in_tree: bool = False       # EOS came from an accepted draft node, not the bonus
+    cut_mid_round: bool = False     # max_new_tokens ended generation inside a round's tokens
 
     @property
     def tau(self) -> float:
@@ -81,7 +83,7 @@ class EagleGenerator:
         self.draft = DraftRunner(head.to(embed.device, embed.dtype) if head is not None else None, embed) \
             if head is not None else None
         eos = target.generation_config.eos_token_id if target.generation_config else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
+        eos = eos if eos is not None or tokenizer is None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
 
     @classmethod
@@ -113,7 +115,7 @@ class EagleGenerator:
         for i, t in enumerate(out):
             if t in self.eos:
                 return out[: i + 1], "eos"
-        if s.stop:
+        if s.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(out, skip_special_tokens=True)
             if any(st in text for st in s.stop):
                 for i in range(1, len(out) + 1):
@@ -164,7 +166,10 @@ class EagleGenerator:
             new = tree.tokens[accepted[1:]].tolist() + [bonus]
             stats.rounds += 1
             stats.accepted.append(len(accepted) - 1)
+            before = len(out)
             out, reason = self._finish(out + new, s)
+            stats.eos_in_tree |= reason == "eos" and len(out) - before < len(new)
+            stats.cut_mid_round |= reason == "length" and len(out) - before < len(new)
             if reason is None:
                 idx = torch.tensor(accepted, device=aux.device)
                 hid, dlog = self.draft.ingest(aux[idx], torch.tensor(new, device=aux.device),
@@ -172,5 +177,6 @@ class EagleGenerator:
                 plen += len(accepted)
         stats.new_tokens = len(out)
         stats.seconds = time.perf_counter() - t0
-        return Generation(out, self.tokenizer.decode(out, skip_special_tokens=True), stats, reason)
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return Generation(out, text, stats, reason)
 

@@ -47,19 +47,43 @@ def ray_cluster():
     process; tests that run pipelines in subprocesses or through `ray job submit` join the same one."""
     import ray
 
+    import tempfile
+
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     port, dash = _free_port(), _free_port()
+    # A temp dir of our own marks this cluster's processes, so teardown stops this one only
+    # (`ray stop` would kill every Ray on the machine, a CI run beside us included).
+    temp_dir = tempfile.mkdtemp(prefix="er-ray-", dir="/tmp")
     subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
                     "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                    "--include-dashboard=true", "--disable-usage-stats"],
+                    "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     gcs = f"127.0.0.1:{port}"
     ray.init(address=gcs, log_to_driver=False)
     yield {"address": gcs, "dashboard": f"http://127.0.0.1:{dash}", "env": env}
     ray.shutdown()
-    subprocess.run([str(bin_dir / "ray"), "stop", "--force"], env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    _stop_cluster(temp_dir)
+
+
+def _stop_cluster(temp_dir: str) -> None:
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in a for a in (p.info["cmdline"] or [])):
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        p.kill()
 
 
 @pytest.fixture(scope="session")

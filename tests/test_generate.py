@@ -1,0 +1,158 @@
+"""Speculative generation is lossless: token-identical to HF greedy generate; sampling keeps p exactly."""
+import collections
+import json
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from infer.generate import EagleGenerator, SpecSettings
+from infer.target import compact_cache
+from infer.tree import Candidates, accept_greedy, compaction_indices, finalize, verify_mask
+from pipeline.hidden import default_aux_layers
+from test_pipeline_capture import make_random_target
+from trainer.head import Eagle3Head, head_config_from_target
+
+
+def random_head(cfg, seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return Eagle3Head(head_config_from_target(cfg, cfg.vocab_size)).to(dtype)
+
+
+def prompts(tok, demo_corpus, n=50):
+    recs = [json.loads(x) for x in (demo_corpus / "train.jsonl").open()]
+    users = [next(m["value"] for m in r["conversations"] if m["from"] == "human") for r in recs[:n]]
+    return [tok.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True,
+                                    return_dict=True)["input_ids"] for u in users]
+
+
+def hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_token_identical_random_targets(arch, tmp_path, tiny_target, demo_corpus):
+    folder = make_random_target(arch, tiny_target, tmp_path / arch)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    gen = EagleGenerator(model, tok, random_head(model.config), default_aux_layers(8))
+    for i, ids in enumerate(prompts(tok, demo_corpus)):
+        want = hf_greedy(model, ids, 20)
+        for mode in ("tree", "chain"):
+            got = gen.generate(ids, SpecSettings(mode=mode, top_k=3, depth=3, total_tokens=8, max_new_tokens=20))
+            assert got.tokens == want, (arch, mode, i)
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tmp_path_factory, ray_cluster, pipeline_run, tiny_target):
+    """A head trained briefly on the tiny target's shards (1 worker), SGLang export folder."""
+    from pipeline.config import load_config
+    from conftest import write_yaml
+    from trainer.config import TrainConfig
+    from trainer.driver import run_training
+
+    out = tmp_path_factory.mktemp("tiny_head")
+    tree = {"target": str(tiny_target), "out_dir": str(out),
+            "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 0},
+            "model": {"ttt_length": 4}, "optim": {"lr": 5e-3}, "max_steps": 60, "epochs": 10, "log_every": 20,
+            "scaling": {"num_workers": 1, "cpus_per_worker": 1}}
+    run_training(load_config(TrainConfig, write_yaml(out / "t.yaml", tree)))
+    return out / "head_sglang"
+
+
+@pytest.mark.slow
+def test_greedy_identical_with_trained_head(tiny_target, tiny_head, demo_corpus):
+    gen = EagleGenerator.from_folders(tiny_target, tiny_head, dtype=torch.float64)
+    model = gen.target.model
+    eos_in_tree = cut = accepted = 0
+    for i, ids in enumerate(prompts(gen.tokenizer, demo_corpus)):
+        n = 7 if i % 5 == 0 else 48  # short limits end generation inside a round
+        want = hf_greedy(model, ids, n)
+        for mode, k, total in (("tree", 4, 12), ("chain", 1, 5)):
+            got = gen.generate(ids, SpecSettings(mode=mode, top_k=k, depth=4, total_tokens=total, max_new_tokens=n))
+            assert got.tokens == want, (mode, i)
+            eos_in_tree += got.stats.eos_in_tree
+            cut += got.stats.cut_mid_round
+            accepted += sum(got.stats.accepted)
+    assert eos_in_tree > 0 and cut > 0 and accepted > 50
+
+
+def test_kv_after_second_branch_equals_fresh_forward(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    gen = EagleGenerator(model, tok, random_head(model.config, dtype=torch.float32), default_aux_layers(8))
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of Kaloria?"}],
+                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+    cache, plen = DynamicCache(), len(ids)
+    logits, aux = gen.target.forward(torch.tensor(ids), torch.arange(plen), cache)
+    root = int(logits[-1].argmax())
+    gen.draft.ingest(aux, torch.tensor(ids[1:] + [root]), torch.arange(plen))
+    # The target's next two greedy tokens, offered as the SECOND child of the root (a wrong token first).
+    ref = hf_greedy(model, ids, 3)
+    assert ref[0] == root
+    wrong = (ref[1] + 1) % len(tok)
+    cands = Candidates([wrong, ref[1], ref[2]], [-1, -1, 1], [-0.1, -0.2, -0.3], [1, 1, 2])
+    tree = finalize(root, cands, [0, 1, 2])
+    logits, aux = gen.target.forward(tree.tokens, tree.positions(plen), cache, verify_mask(tree, plen, torch.float32))
+    accepted, bonus = accept_greedy(tree, logits.argmax(-1))
+    assert accepted == [0, 2, 3]
+    src, dst = compaction_indices(plen, accepted)
+    compact_cache(cache, src, dst, plen + len(accepted))
+    committed = ids + [root, ref[1], ref[2]]
+    fresh = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([committed]), past_key_values=fresh, use_cache=True)
+    for a, b in zip(cache.layers, fresh.layers):
+        assert a.keys.shape == b.keys.shape == (1, 2, len(committed), 16)
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+    gen.draft.ingest(aux[torch.tensor(accepted)], torch.tensor([ref[1], ref[2], bonus]), plen + torch.arange(3))
+    assert gen.draft.cached == len(committed)  # committed positions only, no tree leftovers
+
+
+@pytest.mark.slow
+def test_sampling_matches_target_distribution(tmp_path, tiny_target):
+    """vocab 48 target, T=0.8, top_p=0.9: 20k speculative draws of the next 3 tokens vs the exact
+    joint distribution under the same warpers (chi-square over cells with expected count >= 5)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infer.generate import sampling_probs
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                      eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)  # peaky next-token distributions: few cells carry the mass
+    gen = EagleGenerator(model, None, random_head(cfg, seed=1), [0, 1, 2])  # 4 layers: explicit aux ids
+    prompt = [5, 9, 17, 3]
+    s = SpecSettings(mode="tree", top_k=3, depth=2, total_tokens=6, max_new_tokens=3, temperature=0.8,
+                     top_p=0.9, seed=123)
+    counts, accepted = collections.Counter(), 0
+    g = torch.Generator().manual_seed(123)
+    n = 20000
+    for i in range(n):
+        gen_out = gen.generate(prompt, SpecSettings(**{**s.__dict__, "seed": int(torch.randint(0, 2**62, (1,), generator=g))}))
+        counts[tuple(gen_out.tokens)] += 1
+        accepted += sum(gen_out.stats.accepted)
+    assert accepted > 0.1 * n  # drafts really were accepted, not only bonus tokens
+    with torch.no_grad():  # exact joint p(t1, t2, t3) under the same temperature / top-p
+        p1 = sampling_probs(model(torch.tensor([prompt])).logits[0, -1:], 0.8, 0.9)[0]
+        exp = {}
+        for t1 in p1.nonzero().flatten().tolist():
+            p2 = sampling_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1:], 0.8, 0.9)[0]
+            seqs = [prompt + [t1, t2] for t2 in p2.nonzero().flatten().tolist()]
+            p3 = sampling_probs(model(torch.tensor(seqs)).logits[:, -1], 0.8, 0.9)
+            for row, t2 in enumerate(p2.nonzero().flatten().tolist()):
+                for t3 in p3[row].nonzero().flatten().tolist():
+                    exp[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[row, t3]) * n
+    big = [c for c, e in exp.items() if e >= 5]
+    obs = [counts[c] for c in big] + [n - sum(counts[c] for c in big)]
+    want = [exp[c] for c in big] + [n - sum(exp[c] for c in big)]
+    assert set(counts) <= set(exp)  # never a sequence the target cannot sample
+    assert len(big) >= 10 and chisquare(obs, want).pvalue > 0.01

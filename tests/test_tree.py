@@ -1,0 +1,83 @@
+"""Tree build / mask / accept / compact as pure functions, checked by hand."""
+import collections
+
+import torch
+from scipy.stats import chisquare
+
+from infer.tree import (Candidates, accept_greedy, accept_sampling, compaction_indices, finalize, grow, rerank,
+                        verify_mask)
+
+
+def hand_tree():
+    """root -> a(10, -0.1), b(11, -0.5); a -> c(12, -0.2), d(13, -2.0); b -> e(14, -0.1), f(15, -3.0)."""
+    cands = Candidates([], [], [], [])
+    frontier = grow(cands, [-1], torch.tensor([[10, 11]]), torch.tensor([[-0.1, -0.5]]), top_k=2)
+    assert frontier == [0, 1]
+    frontier = grow(cands, frontier, torch.tensor([[12, 13], [14, 15]]),
+                    torch.tensor([[-0.2, -2.0], [-0.1, -3.0]]), top_k=2)
+    assert [cands.tokens[i] for i in frontier] == [12, 14]  # scores -0.3 and -0.6 beat -2.1, -3.5
+    return cands
+
+
+def test_grow_rerank_finalize():
+    cands = hand_tree()
+    kept = rerank(cands, total_tokens=5)  # root + 4 best: a(-0.1) c(-0.3) b(-0.5) e(-0.6)
+    assert kept == [0, 1, 2, 4]
+    tree = finalize(99, cands, kept)
+    assert tree.tokens.tolist() == [99, 10, 11, 12, 14]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 2]
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2]
+    assert tree.mask.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0],
+                                        [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]
+    assert tree.retrieve.tolist() == [[0, 1, 3], [0, 2, 4]]
+    assert tree.positions(7).tolist() == [7, 8, 8, 9, 9]
+
+
+def test_rerank_prefers_shallower_on_ties_and_stays_connected():
+    cands = Candidates([5, 6, 7], [-1, 0, -1], [-1.0, -1.0, -1.0], [1, 2, 1])
+    assert rerank(cands, 3) == [0, 2]  # depth-1 nodes first; the child would need its parent
+    assert rerank(cands, 4) == [0, 1, 2]
+
+
+def test_top_k_one_is_a_chain():
+    cands = Candidates([], [], [], [])
+    f = grow(cands, [-1], torch.tensor([[3]]), torch.tensor([[-0.1]]), 1)
+    for tok in (4, 5):
+        f = grow(cands, f, torch.tensor([[tok]]), torch.tensor([[-0.1]]), 1)
+    tree = finalize(2, cands, rerank(cands, 4))
+    assert tree.tokens.tolist() == [2, 3, 4, 5] and tree.parents.tolist() == [-1, 0, 1, 2]
+    assert tree.retrieve.tolist() == [[0, 1, 2, 3]]
+
+
+def test_accept_greedy_takes_second_branch():
+    tree = finalize(99, hand_tree(), [0, 1, 2, 4])
+    argmax = torch.tensor([11, 0, 14, 0, 42])  # root wants b (node 2), b wants e (node 4), e then 42
+    assert accept_greedy(tree, argmax) == ([0, 2, 4], 42)
+    assert accept_greedy(tree, torch.tensor([7, 0, 0, 0, 0])) == ([0], 7)
+
+
+def test_compaction_and_mask():
+    src, dst = compaction_indices(10, [0, 2, 4])
+    assert src.tolist() == [10, 12, 14] and dst.tolist() == [10, 11, 12]
+    tree = finalize(99, hand_tree(), [0, 1, 2, 4])
+    m = verify_mask(tree, 3, torch.float32)[0, 0]
+    assert m.shape == (5, 8)
+    assert (m[:, :3] == 0).all()
+    assert ((m[:, 3:] == 0) == tree.mask).all()
+
+
+def test_sampling_acceptance_is_lossless():
+    """Marginal of the first emitted token equals the target's p, whatever the draft proposes."""
+    tree = finalize(99, hand_tree(), [0, 1, 2, 3, 4])  # root children 10, 11
+    p = torch.zeros(5, 16)
+    p[0, [10, 11, 3]] = torch.tensor([0.2, 0.5, 0.3])
+    p[1:, 0] = 1.0
+    gen = torch.Generator().manual_seed(0)
+    first = collections.Counter()
+    n = 20000
+    for _ in range(n):
+        acc, bonus = accept_sampling(tree, p, gen)
+        first[int(tree.tokens[acc[1]]) if len(acc) > 1 else bonus] += 1
+    obs = [first[10], first[11], first[3]]
+    assert sum(obs) == n
+    assert chisquare(obs, [0.2 * n, 0.5 * n, 0.3 * n]).pvalue > 0.01
