@@ -35,6 +35,7 @@ demo: $(STAMP)
 	rm -rf $(DEMO)/head
 	$(PY) -m trainer configs/trainer/demo.yaml
 	@echo "demo head: $(DEMO)/head (head_sglang/, head_speculators/, best/metrics.json, tensorboard/)"
+	$(PY) tools/demo_decode.py --target $(DEMO)/target --head $(DEMO)/head/head_sglang
 
 test: $(STAMP)
 	$(PY) -m pytest

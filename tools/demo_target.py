@@ -45,6 +45,10 @@ PRESETS = {
     "demo": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=16,
                  num_attention_heads=8, num_key_value_heads=2, seq_len=256, batch_size=16, steps=220,
                  lr=3e-3, max_records=0),
+    # A 2-layer model of about a draft head's cost, for HF assisted generation in bench_decode.
+    "assistant": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, seq_len=256, batch_size=16, steps=220,
+                      lr=3e-3, max_records=0),
     # Seconds to train; for tests. 8 layers so the aux-layer rule (1, N//2-1, N-4) has distinct layers.
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=8,
                  num_attention_heads=4, num_key_value_heads=2, seq_len=128, batch_size=16, steps=120,
@@ -57,6 +61,7 @@ class TargetRecipe(StrictModel):
     preset: str = "demo"
     corpus: list[ExistingPath] = [Path("runs/demo/corpus/train.jsonl")]
     val_corpus: ExistingPath | None = None
+    tokenizer: ExistingPath | None = None  # reuse this folder's tokenizer (an assistant must share the target's)
     seed: int = 0
     vocab_size: int | None = None
     hidden_size: int | None = None
@@ -84,7 +89,7 @@ class TargetRecipe(StrictModel):
 
 def recipe_key(rc: TargetRecipe) -> dict:
     """What decides the trained result: the resolved recipe and the corpus files' sizes."""
-    return {"resolved": rc.resolved(), "seed": rc.seed, "out": str(rc.out),
+    return {"resolved": rc.resolved(), "seed": rc.seed, "out": str(rc.out), "tokenizer": str(rc.tokenizer),
             "corpus": {str(p): Path(p).stat().st_size for p in rc.corpus}}
 
 
@@ -179,7 +184,12 @@ def train_target(rc: TargetRecipe) -> dict:
 
     t0 = time.time()
     texts = [m["content"] for c in convs for m in c] + ["user", "assistant", "system"]
-    tokenizer = build_tokenizer(texts, p["vocab_size"])
+    if rc.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(rc.tokenizer)
+    else:
+        tokenizer = build_tokenizer(texts, p["vocab_size"])
     t_tok = time.time() - t0
     train_rows, val_rows = pack(tokenizer, convs, p["seq_len"]), pack(tokenizer, val_convs, p["seq_len"])
     hd = p["hidden_size"] // p["num_attention_heads"]

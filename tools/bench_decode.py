@@ -1,0 +1,130 @@
+"""Decoding benchmark, batch 1, T=0, all methods side by side on the same prompts in one process.
+
+    python tools/bench_decode.py [--target runs/demo/target] [--head runs/demo/head/head_sglang]
+        [--assistant runs/demo/assistant] [--prompts FILE.jsonl] [--n 40] [--max-new-tokens 96]
+        [--top-k 4] [--depth 5] [--total-tokens 16]
+
+Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, EAGLE chain (top_k 1, same depth),
+HF prompt-lookup decoding, HF assisted generation with a 2-layer assistant trained by
+tools/demo_target.py (built on first use when missing). Each prompt runs every method in turn, so
+drift on a shared machine hits all alike. tau = new tokens / target forwards after prefill.
+The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from infer.generate import EagleGenerator, SpecSettings  # noqa: E402
+from infer.prompts import chat_ids, default_prompts, prompt_file  # noqa: E402
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.n = 0
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_):
+        self.n += 1
+
+
+def ensure_assistant(path: Path, target: Path) -> Path:
+    if not (path / "config.json").is_file():
+        corpus = ROOT / "runs/demo/corpus/train.jsonl"
+        subprocess.run([sys.executable, str(ROOT / "tools/demo_target.py"), "--out", str(path), "--preset", "assistant",
+                        "--corpus", str(corpus), f"tokenizer={target}"], check=True)
+    return path
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
+    ap.add_argument("--head", type=Path, default=Path("runs/demo/head/head_sglang"))
+    ap.add_argument("--assistant", type=Path, default=Path("runs/demo/assistant"))
+    ap.add_argument("--prompts", type=Path)
+    ap.add_argument("--shared", type=Path)
+    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--total-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip", nargs="*", default=[], help="methods to leave out")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    gen = EagleGenerator.from_folders(args.target, args.head)
+    model, tok = gen.target.model, gen.tokenizer
+    counter = ForwardCounter(model)
+    assistant = None
+    if "assisted" not in args.skip:
+        assistant = AutoModelForCausalLM.from_pretrained(ensure_assistant(args.assistant, args.target)).eval()
+    texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, (args.n + 1) // 2)
+    texts = texts[: args.n]
+    n_new = args.max_new_tokens
+    tree = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens, max_new_tokens=n_new)
+    chain = SpecSettings(mode="chain", depth=args.depth, max_new_tokens=n_new)
+    vanilla = SpecSettings(mode="vanilla", max_new_tokens=n_new)
+
+    def hf(ids, **kw):
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, do_sample=False, **kw)
+        return out[0, len(ids):].tolist(), None
+
+    methods = {
+        "hf_generate": lambda ids: hf(ids),
+        "vanilla": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, vanilla)),
+        "eagle_tree": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, tree)),
+        "eagle_chain": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, chain)),
+        "prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
+        "assisted": lambda ids: hf(ids, assistant_model=assistant),
+    }
+    methods = {k: v for k, v in methods.items() if k not in args.skip}
+    agg = {k: {"tokens": 0, "seconds": 0.0, "forwards": 0, "accepted": [], "match": 0} for k in methods}
+    for ids in (chat_ids(tok, t) for t in texts[:1]):  # warm-up, not counted
+        for fn in methods.values():
+            fn(ids)
+    with torch.no_grad():
+        for text in texts:
+            ids = chat_ids(tok, text)
+            ref = None
+            for name, fn in methods.items():
+                counter.n = 0
+                t0 = time.perf_counter()
+                tokens, stats = fn(ids)
+                dt = time.perf_counter() - t0
+                a = agg[name]
+                a["tokens"] += len(tokens)
+                a["seconds"] += dt
+                a["forwards"] += stats.rounds if stats is not None else max(0, counter.n - 1)
+                if stats is not None:
+                    a["accepted"] += stats.accepted
+                ref = tokens if ref is None else ref
+                a["match"] += tokens == ref
+    base = agg["hf_generate"]["tokens"] / agg["hf_generate"]["seconds"] if "hf_generate" in agg else None
+    result = {"depth": args.depth, "prompts": len(texts), "max_new_tokens": n_new,
+              "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}}
+    for name, a in agg.items():
+        tps = a["tokens"] / a["seconds"]
+        entry = {"tau": round(a["tokens"] / max(1, a["forwards"]), 3), "tokens_per_s": round(tps, 1),
+                 "speedup_vs_hf": round(tps / base, 3) if base else None,
+                 "greedy_match": f"{a['match']}/{len(texts)}"}
+        if name in ("eagle_tree", "eagle_chain"):
+            rounds = max(1, len(a["accepted"]))
+            entry["accept_by_depth"] = [round(sum(x > d for x in a["accepted"]) / rounds, 3) for d in range(args.depth)]
+        result[name] = entry
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Lossless check: our tree decoding vs the target's own greedy `generate`, token by token.
+
+    python tools/check_lossless.py [--target runs/demo/target] [--head runs/demo/head/head_sglang]
+                                   [--prompts FILE.jsonl] [--n 200] [--max-new-tokens 64]
+
+Default prompts: MT-Bench first turns and GSM8K test questions from ../shared/data (n/2 each).
+The last line printed is one JSON object with `prompts` and `matched`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from infer.generate import EagleGenerator, SpecSettings  # noqa: E402
+from infer.prompts import chat_ids, default_prompts, prompt_file  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="runs/demo/target")
+    ap.add_argument("--head", default="runs/demo/head/head_sglang")
+    ap.add_argument("--prompts", type=Path)
+    ap.add_argument("--shared", type=Path)
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--total-tokens", type=int, default=16)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    gen = EagleGenerator.from_folders(args.target, args.head)
+    texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, (args.n + 1) // 2)
+    texts = texts[: args.n]
+    s = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens,
+                     max_new_tokens=args.max_new_tokens)
+    matched, mismatches, tokens, rounds = 0, [], 0, 0
+    for i, text in enumerate(texts):
+        ids = chat_ids(gen.tokenizer, text)
+        want = gen.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         max_new_tokens=args.max_new_tokens, do_sample=False)[0, len(ids):].tolist()
+        got = gen.generate(ids, s)
+        tokens += len(got.tokens)
+        rounds += got.stats.rounds
+        if got.tokens == want:
+            matched += 1
+        else:
+            first = next((j for j, (a, b) in enumerate(zip(got.tokens, want)) if a != b), min(len(got.tokens), len(want)))
+            mismatches.append({"index": i, "first_diff": first})
+    result = {"prompts": len(texts), "matched": matched, "tau": round(tokens / max(1, rounds), 3),
+              "mismatches": mismatches[:10], "settings": s.__dict__}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
