@@ -28,11 +28,13 @@ def prompt_file(path: Path) -> list[str]:
     return out
 
 
-def default_prompts(shared: Path | None, n_each: int) -> list[str]:
+def default_prompts(shared: Path | None, n: int) -> list[str]:
+    """n prompts: MT-Bench first turns (half, at most its 80) and GSM8K test questions for the rest."""
     shared = Path(shared) if shared else DEFAULT_SHARED
     if not (shared / "mt_bench" / "question.jsonl").is_file():
         raise FileNotFoundError(f"{shared}: no mt_bench/question.jsonl; pass --shared DIR or --prompts FILE")
-    return mt_bench(shared, n_each) + gsm8k(shared, n_each)
+    mt = mt_bench(shared, n // 2)
+    return mt + gsm8k(shared, n - len(mt))
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:

@@ -39,8 +39,8 @@ class ForwardCounter:
 def ensure_assistant(path: Path, target: Path) -> Path:
     if not (path / "config.json").is_file():
         corpus = ROOT / "runs/demo/corpus/train.jsonl"
-        subprocess.run([sys.executable, str(ROOT / "tools/demo_target.py"), "--out", str(path), "--preset", "assistant",
-                        "--corpus", str(corpus), f"tokenizer={target}"], check=True)
+        subprocess.run([sys.executable, str(ROOT / "tools/demo_target.py"), f"tokenizer={target}", "--out", str(path),
+                        "--preset", "assistant", "--corpus", str(corpus)], check=True)
     return path
 
 
@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     assistant = None
     if "assisted" not in args.skip:
         assistant = AutoModelForCausalLM.from_pretrained(ensure_assistant(args.assistant, args.target)).eval()
-    texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, (args.n + 1) // 2)
+    texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n)
     texts = texts[: args.n]
     n_new = args.max_new_tokens
     tree = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens, max_new_tokens=n_new)

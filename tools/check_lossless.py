@@ -34,7 +34,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     gen = EagleGenerator.from_folders(args.target, args.head)
-    texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, (args.n + 1) // 2)
+    texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n)
     texts = texts[: args.n]
     s = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens,
                      max_new_tokens=args.max_new_tokens)
