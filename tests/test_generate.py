@@ -158,3 +158,17 @@ def test_sampling_matches_target_distribution(tmp_path, tiny_target):
     p_value = chisquare(obs, want).pvalue
     print(f"cells={len(big)} p={p_value:.4f} accepted={accepted}")
     assert len(big) >= 10 and p_value > 0.01
+
+
+def test_stop_string_cuts_inside_a_round(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    gen = EagleGenerator(model, tok, random_head(model.config), default_aux_layers(8))
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that returns the sum."}],
+                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+    full = hf_greedy(model, ids, 40)
+    text = tok.decode(full, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    got = gen.generate(ids, SpecSettings(mode="tree", top_k=3, depth=3, total_tokens=8, max_new_tokens=40, stop=[stop]))
+    assert got.finish_reason == "stop" and got.tokens == full[: len(got.tokens)]
+    assert stop in got.text and stop not in tok.decode(got.tokens[:-1], skip_special_tokens=True)
