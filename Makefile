@@ -36,6 +36,7 @@ demo: $(STAMP)
 	$(PY) -m trainer configs/trainer/demo.yaml
 	@echo "demo head: $(DEMO)/head (head_sglang/, head_speculators/, best/metrics.json, tensorboard/)"
 	$(PY) tools/demo_decode.py --target $(DEMO)/target --head $(DEMO)/head/head_sglang
+	$(PY) -m infer.eval configs/eval/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from infer.draft import DraftRunner
+from pipeline.hidden import default_aux_layers
 from infer.target import TargetRunner, compact_cache
 from infer.tree import accept_greedy, accept_sampling, compaction_indices, verify_mask
 
@@ -80,8 +81,7 @@ class EagleGenerator:
         self.target = TargetRunner(target, aux_layer_ids)
         self.tokenizer = tokenizer
         embed = target.get_input_embeddings().weight.detach()
-        self.draft = DraftRunner(head.to(embed.device, embed.dtype) if head is not None else None, embed) \
-            if head is not None else None
+        self.draft = DraftRunner(head.to(embed.device, embed.dtype), embed) if head is not None else None
         eos = target.generation_config.eos_token_id if target.generation_config else None
         eos = eos if eos is not None or tokenizer is None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -102,7 +102,6 @@ class EagleGenerator:
             head = Eagle3Head(hcfg)
             head.load_state_dict(state, strict=False)
             head.set_vocab(state["d2t"], state["t2d"])
-        from pipeline.hidden import default_aux_layers
         return cls(target, tok, head, aux or default_aux_layers(n_layers))
 
     def _pick(self, logits: torch.Tensor, s: SpecSettings, gen: torch.Generator | None) -> int:

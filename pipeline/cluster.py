@@ -31,7 +31,7 @@ def quiet_ray_data() -> None:
 
     import ray
 
+    ctx = ray.data.DataContext.get_current()  # imports ray.data, which sets up its loggers: quiet them after
     logging.getLogger("ray.data").setLevel(logging.WARNING)
-    ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False

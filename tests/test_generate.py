@@ -47,23 +47,6 @@ def test_greedy_token_identical_random_targets(arch, tmp_path, tiny_target, demo
             assert got.tokens == want, (arch, mode, i)
 
 
-@pytest.fixture(scope="session")
-def tiny_head(tmp_path_factory, ray_cluster, pipeline_run, tiny_target):
-    """A head trained briefly on the tiny target's shards (1 worker), SGLang export folder."""
-    from pipeline.config import load_config
-    from conftest import write_yaml
-    from trainer.config import TrainConfig
-    from trainer.driver import run_training
-
-    out = tmp_path_factory.mktemp("tiny_head")
-    tree = {"target": str(tiny_target), "out_dir": str(out),
-            "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 0},
-            "model": {"ttt_length": 4}, "optim": {"lr": 5e-3}, "max_steps": 60, "epochs": 10, "log_every": 20,
-            "scaling": {"num_workers": 1, "cpus_per_worker": 1}}
-    run_training(load_config(TrainConfig, write_yaml(out / "t.yaml", tree)))
-    return out / "head_sglang"
-
-
 @pytest.mark.slow
 def test_greedy_identical_with_trained_head(tiny_target, tiny_head, demo_corpus):
     gen = EagleGenerator.from_folders(tiny_target, tiny_head, dtype=torch.float64)

@@ -56,14 +56,19 @@ def test_sigkill_mid_capture_then_rerun(tmp_path, ray_cluster, tiny_target, demo
     assert summary["capture"]["skipped_complete"] == len(complete)
 
 
-def test_ray_job_submit(tmp_path, ray_cluster, tiny_target, demo_corpus):
-    tree = pipeline_tree(tmp_path / "run", tiny_target, demo_corpus / "train.jsonl", records=24)
-    cfg = write_yaml(tmp_path / "c.yaml", tree)
+def submit(ray_cluster, module: str, cfg) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir <repo> -- python -m <module> <cfg>` against the session head node."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     res = subprocess.run([ray_bin, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", str(REPO),
-                          "--", "python", "-m", "pipeline", str(cfg)], cwd=REPO, env=ray_cluster["env"],
+                          "--", "python", "-m", module, str(cfg)], cwd=REPO, env=ray_cluster["env"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    return res
+
+
+def test_ray_job_submit(tmp_path, ray_cluster, tiny_target, demo_corpus):
+    tree = pipeline_tree(tmp_path / "run", tiny_target, demo_corpus / "train.jsonl", records=24)
+    res = submit(ray_cluster, "pipeline", write_yaml(tmp_path / "c.yaml", tree))
     assert "succeeded" in res.stdout
     man = json.loads((tmp_path / "run/capture/manifest.json").read_text())
     assert man["rows"] == 24
@@ -75,11 +80,6 @@ def test_trainer_under_ray_job_submit(tmp_path, ray_cluster, pipeline_run, tiny_
             "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 8, "val_rows": 8},
             "model": {"ttt_length": 2}, "max_steps": 3, "log_every": 1,
             "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "threads_per_worker": 1}}
-    cfg = write_yaml(tmp_path / "t.yaml", tree)
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    res = subprocess.run([ray_bin, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", str(REPO),
-                          "--", "python", "-m", "trainer", str(cfg)], cwd=REPO, env=ray_cluster["env"],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    submit(ray_cluster, "trainer", write_yaml(tmp_path / "t.yaml", tree))
     report = json.loads((tmp_path / "head/report.json").read_text())
     assert report["steps"] == 3 and (tmp_path / "head/head_speculators/model.safetensors").is_file()

@@ -1,0 +1,65 @@
+"""Benchmark readers (local files): MT-Bench, GSM8K, C-Eval and any jsonl of prompts.
+
+Every reader returns items `{"id": str, "turns": [user message, ...]}`; a later turn is asked after the
+model's own answer to the earlier ones (MT-Bench's second question).
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+CEVAL_PROMPT = "以下是中国关于{subject}考试的单项选择题，请选出其中的正确答案。\n\n"
+
+
+def read_mt_bench(path: Path, limit: int | None = None) -> list[dict]:
+    rows = [json.loads(x) for x in Path(path).open(encoding="utf-8") if x.strip()]
+    return [{"id": f"mt_bench-{r['question_id']}", "turns": list(r["turns"]), "category": r.get("category")}
+            for r in rows[:limit]]
+
+
+def read_gsm8k(path: Path, limit: int | None = None) -> list[dict]:
+    rows = [json.loads(x) for x in Path(path).open(encoding="utf-8") if x.strip()]
+    return [{"id": f"gsm8k-{i}", "turns": [r["question"]]} for i, r in enumerate(rows[:limit])]
+
+
+def _ceval_question(row: dict, with_answer: bool) -> str:
+    text = row["question"].strip() + "\n" + "\n".join(f"{k}. {row[k]}" for k in "ABCD") + "\n答案："
+    return text + (row["answer"] + "\n\n" if with_answer else "")
+
+
+def read_ceval(folder: Path, limit: int | None = None, few_shot: int = 0) -> list[dict]:
+    """C-Eval val CSVs (`val/<subject>_val.csv`), the official Chinese prompt; `few_shot` dev examples."""
+    folder = Path(folder)
+    mapping = json.loads((folder / "subject_mapping.json").read_text(encoding="utf-8"))
+    items = []
+    for f in sorted((folder / "val").glob("*_val.csv")):
+        subject = f.name[: -len("_val.csv")]
+        zh = mapping.get(subject, [subject, subject])[1]
+        shots = ""
+        dev = folder / "dev" / f"{subject}_dev.csv"
+        if few_shot and dev.is_file():
+            with dev.open(encoding="utf-8", newline="") as fh:
+                shots = "".join(_ceval_question(r, True) for r in list(csv.DictReader(fh))[:few_shot])
+        with f.open(encoding="utf-8", newline="") as fh:
+            for r in csv.DictReader(fh):
+                items.append({"id": f"ceval-{subject}-{r['id']}", "answer": r["answer"],
+                              "turns": [CEVAL_PROMPT.format(subject=zh) + shots + _ceval_question(r, False)]})
+    return items[:limit]
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
+    """Generic prompts: {"prompt": str} or {"turns": [str, ...]} (HumanEval, MATH-500, CMMLU, Alpaca ...)."""
+    items = []
+    for i, line in enumerate(Path(path).open(encoding="utf-8")):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        turns = r.get("turns") or [r.get("prompt") or r.get("question") or r.get("instruction")]
+        if not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(f"{path}:{i + 1}: need a non-empty 'prompt' (or 'turns', 'question', 'instruction')")
+        items.append({"id": str(r.get("id", f"{Path(path).stem}-{i}")), "turns": turns})
+    return items[:limit]
+
+
+READERS = {"mt_bench": read_mt_bench, "gsm8k": read_gsm8k, "ceval": read_ceval, "jsonl": read_jsonl}

@@ -1,0 +1,161 @@
+"""python -m infer.eval CONFIG.yaml [key=value ...]
+
+Acceptance length and speedup per benchmark. Prompts are spread over Ray actors, each with its own
+target + head; every turn runs vanilla and speculative decoding side by side inside one actor, so each
+speedup is a ratio measured on one machine at one time. Writes report.json, report.md and PNG plots.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.cluster import ensure_ray
+from pipeline.config import ExistingPath, StrictModel, load_or_exit
+
+
+class Bench(StrictModel):
+    name: str
+    kind: Literal["mt_bench", "gsm8k", "ceval", "jsonl"]
+    path: ExistingPath          # question.jsonl / test.jsonl / the ceval folder / a jsonl of prompts
+    limit: int | None = Field(None, gt=0)
+    few_shot: int = Field(0, ge=0)  # C-Eval dev examples in the prompt
+
+
+class Decode(StrictModel):
+    top_k: int = Field(4, gt=0)
+    depth: int = Field(5, gt=0)
+    total_tokens: int = Field(16, gt=1)
+    max_new_tokens: int = Field(128, gt=0)
+    temperature: float = Field(0.0, ge=0)
+
+
+class Sweep(StrictModel):
+    enabled: bool = False
+    top_k: list[int] = [2, 4]
+    depth: list[int] = [4, 6]
+    total_tokens: list[int] = [8, 16]
+    prompts: int = Field(6, gt=0)  # per benchmark
+
+
+class EvalConfig(StrictModel):
+    target: ExistingPath
+    head: ExistingPath
+    out_dir: Path = Path("runs/eval")
+    benchmarks: list[Bench]
+    decode: Decode = Decode()
+    sweep: Sweep = Sweep()
+    num_actors: int = Field(1, gt=0)
+    cpus_per_actor: float = Field(1, gt=0)
+    gpus_per_actor: float = Field(0, ge=0)
+    threads_per_actor: int | None = None
+    ray_address: str | None = None
+
+
+class EvalWorker:
+    """Ray actor: one target + head; runs vanilla and speculative decoding on whole items."""
+
+    def __init__(self, target: str, head: str, threads: int | None, use_gpu: bool):
+        import torch
+
+        from infer.generate import EagleGenerator
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.gen = EagleGenerator.from_folders(target, head, device="cuda" if use_gpu else "cpu")
+
+    def run(self, bench: str, item: dict, settings: dict) -> list[dict]:
+        from infer.generate import SpecSettings
+
+        tok, recs, history = self.gen.tokenizer, [], []
+        spec_s = SpecSettings(mode="tree", **settings)
+        van_s = SpecSettings(mode="vanilla", **{k: v for k, v in settings.items()
+                                                 if k in ("max_new_tokens", "temperature")})
+        for t, question in enumerate(item["turns"]):
+            history.append({"role": "user", "content": question})
+            ids = tok.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]
+            van = self.gen.generate(ids, van_s)
+            spec = self.gen.generate(ids, spec_s)
+            history.append({"role": "assistant", "content": spec.text})  # the model's own answer
+            recs.append({"bench": bench, "id": item["id"], "turn": t, "spec_tokens": len(spec.tokens),
+                         "spec_seconds": spec.stats.seconds, "rounds": spec.stats.rounds,
+                         "accepted": spec.stats.accepted, "van_tokens": len(van.tokens),
+                         "van_seconds": van.stats.seconds, "match": spec.tokens == van.tokens})
+        return recs
+
+
+def load_items(cfg: EvalConfig) -> dict[str, list[dict]]:
+    from infer.benchmarks import READERS
+
+    out = {}
+    for b in cfg.benchmarks:
+        kw = {"few_shot": b.few_shot} if b.kind == "ceval" else {}
+        out[b.name] = READERS[b.kind](b.path, b.limit, **kw)
+        if not out[b.name]:
+            raise ValueError(f"benchmarks: {b.name} ({b.path}) has no items")
+    return out
+
+
+def run_items(pool, jobs: list[tuple[str, dict]], settings: dict, desc: str) -> list[dict]:
+    from tqdm import tqdm
+
+    records = []
+    with tqdm(total=len(jobs), desc=desc, unit="prompt") as bar:
+        for recs in pool.map_unordered(lambda a, job: a.run.remote(job[0], job[1], settings), jobs):
+            records += recs
+            bar.update(1)
+    return records
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    import ray
+    from ray.util import ActorPool
+
+    from infer.report import aggregate, write_report
+
+    print(f"eval: {ensure_ray(cfg.ray_address)}", flush=True)
+    items = load_items(cfg)
+    worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor)(EvalWorker)
+    actors = [worker.remote(str(cfg.target.resolve()), str(cfg.head.resolve()), cfg.threads_per_actor,
+                            cfg.gpus_per_actor > 0) for _ in range(cfg.num_actors)]
+    pool = ActorPool(actors)
+    settings = cfg.decode.model_dump()
+    jobs = [(name, it) for name, its in items.items() for it in its]
+    report = {"target": str(cfg.target), "head": str(cfg.head), "settings": settings,
+              "benchmarks": aggregate(run_items(pool, jobs, settings, "eval"), cfg.decode.depth)}
+    if cfg.sweep.enabled:
+        sub = [(name, it) for name, its in items.items() for it in its[: cfg.sweep.prompts]]
+        report["sweep"] = []
+        for k, d, n in itertools.product(cfg.sweep.top_k, cfg.sweep.depth, cfg.sweep.total_tokens):
+            s = dict(settings, top_k=k, depth=d, total_tokens=n)
+            agg = aggregate([dict(r, bench="all") for r in run_items(pool, sub, s, f"sweep {k}/{d}/{n}")], d)["all"]
+            report["sweep"].append({"top_k": k, "depth": d, "total_tokens": n, "tau": agg["tau"],
+                                    "speedup": agg["speedup"], "match_rate": agg["match_rate"]})
+    for a in actors:
+        ray.kill(a)
+    return write_report(cfg.out_dir, report)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m infer.eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    cfg = load_or_exit(EvalConfig, args.config, args.overrides)
+    try:
+        report = evaluate(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"eval error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(json.dumps({n: {k: b[k] for k in ("tau", "speedup", "match_rate")} for n, b in report["benchmarks"].items()}))
+    print(f"report: {cfg.out_dir / 'report.md'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
