@@ -85,6 +85,7 @@ def write_plots(out_dir: Path, report: dict) -> list[str]:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for n in names:
         ax.plot(range(1, len(b[n]["accept_by_depth"]) + 1), b[n]["accept_by_depth"], marker="o", label=n)
+    ax.set_xticks(range(1, report["settings"]["depth"] + 1))
     ax.set_xlabel("draft depth")
     ax.set_ylabel("share of rounds")
     ax.set_ylim(0, 1.05)
