@@ -37,6 +37,7 @@ demo: $(STAMP)
 	@echo "demo head: $(DEMO)/head (head_sglang/, head_speculators/, best/metrics.json, tensorboard/)"
 	$(PY) tools/demo_decode.py --target $(DEMO)/target --head $(DEMO)/head/head_sglang
 	$(PY) -m infer.eval configs/eval/demo.yaml
+	$(PY) tools/demo_serve.py configs/serve/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

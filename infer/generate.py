@@ -63,7 +63,7 @@ class Generation:
     tokens: list[int]
     text: str
     stats: SpecStats
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str | None  # "eos" | "stop" | "length"; None on intermediate stream snapshots
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -124,8 +124,15 @@ class EagleGenerator:
             return out[: s.max_new_tokens], "length"
         return out, None
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int], s: SpecSettings = SpecSettings()) -> Generation:
+        for gen_state in self.stream(prompt_ids, s):
+            pass
+        return gen_state
+
+    @torch.no_grad()
+    def stream(self, prompt_ids: list[int], s: SpecSettings = SpecSettings()):
+        """Yields a Generation after the prefill and after every round (tokens so far, stats, finish
+        reason None until the last). Closing the iterator stops decoding between rounds."""
         from transformers import DynamicCache
 
         t0 = time.perf_counter()
@@ -139,6 +146,7 @@ class EagleGenerator:
         logits, aux = self.target.forward(prompt, torch.arange(plen), cache)
         out = [self._pick(logits[-1], s, gen)]
         out, reason = self._finish(out, s)
+        yield self._snapshot(out, stats, reason, t0)
         if mode != "vanilla" and reason is None:
             self.draft.reset()
             nxt = torch.cat([prompt[1:], torch.tensor(out[-1:])])
@@ -151,6 +159,7 @@ class EagleGenerator:
                 stats.rounds += 1
                 stats.accepted.append(0)
                 out, reason = self._finish(out + [self._pick(logits[-1], s, gen)], s)
+                yield self._snapshot(out, stats, reason, t0)
                 continue
             k, total = (1, depth + 1) if mode == "chain" else (s.top_k, s.total_tokens)
             tree = self.draft.build_tree(root, hid, dlog, plen - 1, k, depth, total)
@@ -174,8 +183,13 @@ class EagleGenerator:
                 hid, dlog = self.draft.ingest(aux[idx], torch.tensor(new, device=aux.device),
                                               plen + torch.arange(len(accepted), device=aux.device))
                 plen += len(accepted)
+            yield self._snapshot(out, stats, reason, t0)
+
+    def _snapshot(self, out: list[int], stats: SpecStats, reason: str | None, t0: float) -> Generation:
         stats.new_tokens = len(out)
         stats.seconds = time.perf_counter() - t0
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return Generation(out, text, stats, reason)
+        # Text only for the final snapshot: per-round decoding would sit on the hot path.
+        done = reason is not None and self.tokenizer is not None
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if done else ""
+        return Generation(list(out), text, stats, reason)
 

@@ -1,0 +1,125 @@
+"""The OpenAI-compatible Ray Serve endpoint, driven by the real `openai` client on 127.0.0.1."""
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import _free_port
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-eagle"
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_target, tiny_head):
+    from ray import serve
+
+    from infer.serve import ServeConfig, start
+
+    cfg = ServeConfig(target=tiny_target, head=tiny_head, model_name=MODEL, port=_free_port(),
+                      num_cpus_per_replica=0, threads_per_replica=1, max_tokens_limit=64, request_timeout_s=60,
+                      max_ongoing_requests=80)
+    url = start(cfg)
+    yield url
+    serve.shutdown()
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def greedy_text(target, messages, n):
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def post(url, path, body: bytes):
+    req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+MSGS = [{"role": "user", "content": "What is the capital of Kaloria?"}]
+
+
+def test_models_health_and_greedy_chat(server, tiny_target):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    with urllib.request.urlopen(server + "/health", timeout=30) as r:
+        assert json.loads(r.read())["status"] == "ok"
+    want = greedy_text(tiny_target, MSGS, 40)
+    r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.usage.completion_tokens > 0 and r.usage.model_extra["tau"] >= 1.0
+    chunks = list(c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=40, temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    comp = c.completions.create(model=MODEL, prompt="<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
+                                max_tokens=16, temperature=0)
+    assert comp.choices[0].text == greedy_text(tiny_target, [{"role": "user", "content": "Hi!"}], 16)
+
+
+def test_stream_ends_with_done(server):
+    body = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 8, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(server + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = [x.decode().strip() for x in r.read().splitlines() if x.strip()]
+    assert all(x.startswith("data: ") for x in lines) and lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b'{"model": "tiny-eagle", "messages": [', 400, "body"),
+    (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+    (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
+    (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "messages.0.role"),
+    (json.dumps({"model": "gpt-17", "messages": MSGS}).encode(), 404, "model"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 65}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": "many"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "temperature": -0.5}).encode(), 400, "temperature"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2100}]}).encode(), 400, "messages"),
+])
+def test_bad_requests(server, body, status, param):
+    code, err = post(server, "/v1/chat/completions", body)
+    assert code == status and err["error"]["param"] == param and err["error"]["message"]
+
+
+def test_openai_client_raises_on_bad_request(server):
+    with pytest.raises(openai.BadRequestError):
+        client(server).chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client(server).chat.completions.create(model="nope", messages=MSGS, max_tokens=4)
+
+
+def test_64_concurrent_requests(server):
+    c = client(server)
+    ask = lambda i: c.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": f"How many people live in country number {i}?"}])
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(ask, range(64)))
+    assert len(results) == 64 and all(r.choices[0].message.content is not None for r in results)
+    assert all(r.usage.completion_tokens >= 1 for r in results)
+
+
+def test_cancelled_stream_frees_the_replica(server):
+    c = client(server)
+    stream = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=64, temperature=0.9, seed=1,
+                                       stream=True)
+    next(iter(stream))
+    stream.close()  # the client goes away mid-generation
+    t0 = time.time()
+    r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content is not None and time.time() - t0 < 60
