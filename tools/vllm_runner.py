@@ -1,0 +1,61 @@
+"""Runs inside .venv-vllm (vLLM's CPU build), never inside .venv: greedy EAGLE-3 chain decoding of
+token-id prompts with one head, and vLLM's own speculative counters. Driven by tools/check_vllm.py.
+
+    .venv-vllm/bin/python tools/vllm_runner.py REQUEST.json RESULT.json
+
+REQUEST: {"target", "head" (null: no speculation), "k", "max_new_tokens", "prompts": [[ids]], "dtype",
+"max_model_len"}. RESULT: {"tokens": [[ids]], "drafts", "draft_tokens", "accepted", "accepted_per_pos",
+"load_s", "generate_s", "vllm_version"}. Only vLLM and the standard library are imported here.
+"""
+import json
+import os
+import sys
+import time
+
+
+def spec_counters(metrics) -> dict:
+    """vLLM's Prometheus-style snapshot -> our counters (summed over engines)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for m in metrics:
+        if m.name in names:
+            out[names[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = [int(v) for v in m.values]
+            prev = out["accepted_per_pos"] or [0] * len(vals)
+            out["accepted_per_pos"] = [a + b for a, b in zip(prev, vals)]
+    return out
+
+
+def run(req: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    import vllm
+
+    spec = None
+    if req.get("head"):
+        spec = {"method": "eagle3", "model": req["head"], "num_speculative_tokens": req["k"]}
+    t0 = time.perf_counter()
+    llm = LLM(model=req["target"], speculative_config=spec, dtype=req.get("dtype", "float32"),
+              max_model_len=req.get("max_model_len", 512), enforce_eager=True, disable_log_stats=False,
+              seed=0)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"])
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]], params, use_tqdm=False)
+    generate_s = time.perf_counter() - t0
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+              "load_s": round(load_s, 2), "generate_s": round(generate_s, 2), "vllm_version": vllm.__version__}
+    result.update(spec_counters(llm.get_metrics()))
+    return result
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    request_path, result_path = sys.argv[1], sys.argv[2]
+    with open(request_path) as f:
+        request = json.load(f)
+    with open(result_path, "w") as f:
+        json.dump(run(request), f)
