@@ -45,7 +45,9 @@ def test_sglang_layout(tmp_path):
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["model_type"] == "llama"
     assert conf["num_hidden_layers"] == 1 and conf["tie_word_embeddings"] is False
-    assert conf["eagle_config"] == {"use_aux_hidden_state": True}  # default layers: no explicit ids
+    # Explicit ids in each engine's numbering: SGLang reads eagle_config's (outputs), vLLM the top level (inputs)
+    assert conf["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert (conf["vocab_size"], conf["draft_vocab_size"], conf["max_position_embeddings"]) == (40, 24, 128)
     assert conf["hidden_size"] == 32 and conf["head_dim"] == 8 and "target_hidden_size" not in conf
     assert conf["rope_theta"] == 10000.0
@@ -56,8 +58,38 @@ def test_sglang_layout(tmp_path):
     assert shapes["midlayer.self_attn.q_proj.weight"] == (32, 64)
     assert shapes["midlayer.self_attn.k_proj.weight"] == (16, 64)
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
-    explicit = export_head(state, head.config, [0, 2, 5], 8, tmp_path / "e", "sglang")
-    assert json.loads((explicit / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
+    explicit = json.loads((export_head(state, head.config, [0, 2, 5], 8, tmp_path / "e", "sglang") / "config.json")
+                          .read_text())
+    assert explicit["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
+    assert explicit["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
+
+
+def test_aux_fields_must_agree_and_either_alone_reads(tmp_path):
+    head, state = head_and_state()
+    out = export_head(state, head.config, [0, 2, 5], 8, tmp_path / "s", "sglang")
+    conf = json.loads((out / "config.json").read_text())
+    for drop, keep in (("top", "eagle_config"), ("eagle_config", "top")):
+        c = json.loads(json.dumps(conf))
+        if drop == "top":
+            del c["eagle_aux_hidden_state_layer_ids"]
+        else:
+            del c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        (out / "config.json").write_text(json.dumps(c))
+        assert import_head(out, 8)[2] == [0, 2, 5], keep
+    conf["eagle_aux_hidden_state_layer_ids"] = [0, 2, 5]  # SGLang numbering written where vLLM reads inputs
+    (out / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match=r"\[0, 2, 5\] \(outputs, SGLang\) and eagle_aux_hidden_state_layer_ids "
+                                         r"\[0, 2, 5\] \(inputs, vLLM\) name different layers"):
+        import_head(out, 8)
+
+
+def test_repeated_aux_layers_refused_for_vllm(tmp_path):
+    head, state = head_and_state()
+    with pytest.raises(ValueError, match=r"speculators \(vLLM\) needs 3 distinct aux layers, the shards have \[1, 1, 2\]"):
+        export_head(state, head.config, [1, 1, 2], 6, tmp_path / "v", "speculators")
+    export_head(state, head.config, [1, 1, 2], 6, tmp_path / "s", "sglang")  # our engine and SGLang take them
+    with pytest.raises(ValueError, match="not 3 layers of a 8-layer target"):
+        export_head(state, head.config, [1, 3, 8], 8, tmp_path / "x", "sglang")
 
 
 def test_speculators_layout(tmp_path):

@@ -18,7 +18,7 @@ from pipeline.shards import read_manifest
 from pipeline.vocab import load_draft_vocab
 from trainer.config import TrainConfig
 from trainer.data import check_manifest, drop_ids, plan_batches, shard_files, val_rows
-from trainer.export import FORMATS, export_head, import_head
+from trainer.export import FORMATS, check_exportable, export_head, import_head
 
 RUN_NAME = "train"
 
@@ -95,6 +95,8 @@ def run_training(cfg: TrainConfig) -> dict:
     manifest = read_manifest(cfg.data.shards)
     tcfg = AutoConfig.from_pretrained(cfg.target)
     check_manifest(manifest, cfg.target, AutoTokenizer.from_pretrained(cfg.target), tcfg)
+    check_exportable(manifest["aux_layer_ids"], (getattr(tcfg, "text_config", None) or tcfg).num_hidden_layers,
+                     list(cfg.export_formats))
     d2t, t2d = load_draft_vocab(cfg.data.shards)
     held_out = set(val_rows(cfg.data.shards, cfg.data.val_rows)["id"].to_pylist()) if cfg.data.val_rows else set()
     total = estimate_total_steps(cfg, held_out)

@@ -1,9 +1,14 @@
 """Export / import of heads in the SGLang (`LlamaForCausalLMEagle3`) and vLLM speculators formats.
 
 Both formats hold the same tensors (DESIGN §4); speculators renames `midlayer.` to `layers.0.`. Aux
-layer ids are kept internally as "output of layer j" (our capture rule) and written in each format's
-own numbering: SGLang reads explicit ids as outputs, vLLM/speculators as inputs (j + 1). Every export
-and import checks the key set exactly: vLLM loads a head with a missing tensor silently.
+layer ids are kept internally as "output of layer j" (our capture rule) and always written explicitly,
+in each engine's own numbering, so no engine falls back on a default rule of its own (vLLM's is per
+model class): SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`, as outputs (j); vLLM
+reads the top-level `eagle_aux_hidden_state_layer_ids` first, as inputs (j + 1), and falls back on
+`eagle_config`'s with the same input meaning. The SGLang-format file therefore carries both fields, so
+one folder picks the same layers in both engines (tools/check_vllm.py measured the single-field file
+in vLLM one layer off: tau 2.73 instead of 2.93 on the demo head). Every export and import checks the
+key set exactly: vLLM loads a head with a missing tensor silently.
 """
 from __future__ import annotations
 
@@ -28,6 +33,20 @@ def check_keys(state: dict, where: str) -> None:
     extra = sorted(set(state) - set(HEAD_KEYS))
     if missing or extra:
         raise ValueError(f"{where}: head tensors do not match DESIGN §4 (missing {missing}, unexpected {extra})")
+
+
+def check_exportable(aux_layer_ids: list[int], num_target_layers: int, formats: list[str]) -> None:
+    """Refuse what an engine cannot load, before training rather than after it."""
+    aux = list(aux_layer_ids)
+    if len(aux) != 3 or not all(0 <= j < num_target_layers for j in aux):
+        raise ValueError(f"export: aux layer ids {aux} are not 3 layers of a {num_target_layers}-layer target")
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"export_formats: unknown {unknown} (known: {', '.join(FORMATS)})")
+    if "speculators" in formats and len(set(aux)) < 3:  # vLLM de-duplicates the ids, then fc's width is wrong
+        raise ValueError(f"export_formats: speculators (vLLM) needs 3 distinct aux layers, the shards have {aux} "
+                         f"(the default rule repeats layers below 7 target layers): capture with distinct "
+                         f"capture.layer_ids or export sglang only")
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
@@ -68,20 +87,22 @@ def export_head(state: dict, cfg: LlamaConfig, aux_layer_ids: list[int], num_tar
             raise ValueError(f"export: {k} has shape {tuple(state[k].shape)}, expected {shape}")
     out.mkdir(parents=True, exist_ok=True)
     ht = getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
-    default = list(aux_layer_ids) == default_aux_layers(num_target_layers)
+    check_exportable(aux_layer_ids, num_target_layers, [fmt])
+    aux = [int(j) for j in aux_layer_ids]
+    inputs = [j + 1 for j in aux]  # vLLM / speculators numbering: id k is hidden_states[k], input of layer k
     if fmt == "sglang":
         conf = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg),
-                "eagle_config": {"use_aux_hidden_state": True}}
+                "eagle_aux_hidden_state_layer_ids": inputs,  # read by vLLM (before eagle_config's)
+                "eagle_config": {"use_aux_hidden_state": True,
+                                 "eagle_aux_hidden_state_layer_ids": aux}}  # read by SGLang, which adds 1
         if ht != cfg.hidden_size:
             conf["target_hidden_size"] = ht
-        if not default:  # SGLang numbering: output of layer j; vLLM would read these as inputs
-            conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
         tensors = state
     elif fmt == "speculators":
         conf = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                 "speculators_version": "0.3.0", "draft_vocab_size": cfg.draft_vocab_size,
                 "target_hidden_size": ht, "norm_before_residual": False,
-                "eagle_aux_hidden_state_layer_ids": [j + 1 for j in aux_layer_ids],  # input-of-layer numbering
+                "eagle_aux_hidden_state_layer_ids": inputs,
                 "transformer_layer_config": {**_llama_fields(cfg), "architectures": ["LlamaForCausalLM"]},
                 "speculators_config": {
                     "algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -117,7 +138,7 @@ def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dic
     else:
         fields = dict(conf)
         fields.setdefault("target_hidden_size", fields["hidden_size"])
-        aux = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = _sglang_file_aux(conf, folder)
         state = dict(raw)
         state.pop("embed_tokens.weight", None)  # some exports carry the target's embedding; we use the target's
     if aux is None and num_target_layers is not None:
@@ -138,6 +159,18 @@ def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dic
         if tuple(state[k].shape) != shape:
             raise ValueError(f"{folder}: {k} has shape {tuple(state[k].shape)}, expected {shape}")
     return state, cfg, aux
+
+
+def _sglang_file_aux(conf: dict, folder: Path) -> list[int] | None:
+    """Aux ids (outputs of layers) of an SGLang-format config; both fields must name the same layers."""
+    sglang = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    vllm = conf.get("eagle_aux_hidden_state_layer_ids")
+    if sglang is not None and vllm is not None and [j + 1 for j in sglang] != list(vllm):
+        raise ValueError(f"{folder}: eagle_config.eagle_aux_hidden_state_layer_ids {sglang} (outputs, SGLang) and "
+                         f"eagle_aux_hidden_state_layer_ids {vllm} (inputs, vLLM) name different layers")
+    if sglang is not None:
+        return list(sglang)
+    return [k - 1 for k in vllm] if vllm is not None else None
 
 
 def head_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,38 @@
+"""Convert a head between the SGLang and the vLLM speculators formats (or rewrite it in the current export).
+
+    python tools/convert_head.py SRC_DIR --target TARGET_DIR --format speculators --out OUT_DIR
+
+Reads either format, checks every tensor name and shape, and writes config.json + model.safetensors with
+the aux layer ids spelled out in the destination's numbering. The target folder gives the layer count
+(for heads that rely on the default layer rule) and the verifier name written into speculators configs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.export import FORMATS, export_head, import_head  # noqa: E402
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", type=Path)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--format", choices=FORMATS, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    tconf = json.loads((args.target / "config.json").read_text())
+    tconf = tconf.get("text_config") or tconf
+    n_layers = tconf["num_hidden_layers"]
+    state, cfg, aux = import_head(args.src, n_layers)
+    out = export_head(state, cfg, aux, n_layers, args.out, args.format, str(args.target),
+                      (tconf.get("architectures") or ["LlamaForCausalLM"])[0])
+    print(json.dumps({"src": str(args.src), "out": str(out), "format": args.format, "aux_layer_ids": aux}))
+    return out
+
+
+if __name__ == "__main__":
+    main()
