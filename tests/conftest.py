@@ -140,7 +140,8 @@ def pipeline_run(tmp_path_factory, ray_cluster, tiny_target, demo_corpus) -> Pat
 
 @pytest.fixture(scope="session")
 def tiny_head(tmp_path_factory, ray_cluster, pipeline_run, tiny_target):
-    """A head trained briefly on the tiny target's shards (1 worker), SGLang export folder."""
+    """A head trained briefly on the tiny target's shards (1 worker), SGLang export folder. 240 steps (~40 s):
+    enough that it leans on the aux states (chain tau ~2.4 at k=3), so a broken export shows in vLLM."""
     from pipeline.config import load_config
     from trainer.config import TrainConfig
     from trainer.driver import run_training
@@ -148,7 +149,7 @@ def tiny_head(tmp_path_factory, ray_cluster, pipeline_run, tiny_target):
     out = tmp_path_factory.mktemp("tiny_head")
     tree = {"target": str(tiny_target), "out_dir": str(out),
             "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 0},
-            "model": {"ttt_length": 4}, "optim": {"lr": 5e-3}, "max_steps": 60, "epochs": 10, "log_every": 20,
+            "model": {"ttt_length": 3}, "optim": {"lr": 5e-3}, "max_steps": 240, "epochs": 20, "log_every": 20,
             "scaling": {"num_workers": 1, "cpus_per_worker": 1}}
     run_training(load_config(TrainConfig, write_yaml(out / "t.yaml", tree)))
     return out / "head_sglang"

@@ -1,0 +1,89 @@
+"""Our exported heads in vLLM's CPU build (.venv-vllm, `make vllm-install`), through tools/check_vllm.py.
+
+The checker must agree with our engine on a good head in both formats, and must see a head broken the
+ways real exports break (wrong d2t, aux states fed in the wrong order, aux ids in the wrong numbering)
+as worse, and name the layer mismatch: otherwise it could not fail.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import check_vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("EAGLERAY_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    if not VLLM_PYTHON.is_file():
+        if os.environ.get("EAGLERAY_REQUIRE_VLLM") == "1":  # set by `make test`: absence is a failure there
+            pytest.fail(f"no vLLM interpreter at {VLLM_PYTHON}; `make vllm-install` builds it")
+        pytest.skip(f"no vLLM interpreter at {VLLM_PYTHON} (`make vllm-install`)")
+    return VLLM_PYTHON
+
+
+def rewrite(src: Path, dst: Path, tensors_fn=None, config_fn=None) -> Path:
+    shutil.copytree(src, dst)
+    if tensors_fn:
+        t = load_file(str(dst / "model.safetensors"))
+        tensors_fn(t)
+        save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config_fn:
+        c = json.loads((dst / "config.json").read_text())
+        config_fn(c)
+        (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def shift_d2t(t):
+    """Every draft id maps to the next used target id: the head's guesses land on wrong tokens."""
+    used = torch.arange(len(t["d2t"])) + t["d2t"]
+    t["d2t"] = torch.roll(used, -1) - torch.arange(len(used))
+
+
+def swap_low_high(t):
+    """fc consumes [high, mid, low]: the capture order differs from the one the head was trained on."""
+    w = t["fc.weight"]
+    h = w.shape[1] // 3
+    t["fc.weight"] = torch.cat([w[:, 2 * h:], w[:, h:2 * h], w[:, :h]], dim=1).contiguous()
+
+
+def sglang_ids_only(c):
+    """Our export before the interop check: SGLang's ids (outputs of layers) only, which vLLM falls back on
+    and reads as inputs of layers, one layer early."""
+    del c["eagle_aux_hidden_state_layer_ids"]
+
+
+def test_vllm_agrees_on_good_heads_and_sees_broken_ones(vllm_python, tiny_target, tiny_head, tmp_path, shared_data):
+    good = tiny_head.parent
+    heads = {"sglang": good / "head_sglang", "speculators": good / "head_speculators",
+             "wrong_d2t": rewrite(good / "head_speculators", tmp_path / "d2t", tensors_fn=shift_d2t),
+             "aux_order": rewrite(good / "head_sglang", tmp_path / "order", tensors_fn=swap_low_high),
+             "sglang_ids_only": rewrite(good / "head_sglang", tmp_path / "ids", config_fn=sglang_ids_only)}
+    r = check_vllm.main(["--target", str(tiny_target), "--heads", *[f"{k}={v}" for k, v in heads.items()],
+                         "--vllm-python", str(vllm_python), "--shared", str(shared_data), "--n", "12",
+                         "--max-new-tokens", "48", "--work-dir", str(tmp_path / "work")])
+    f = r["formats"]
+    for name in ("sglang", "speculators"):
+        assert f[name]["aux_layers_agree"] and f[name]["vllm_aux_source"] == "config", (name, f[name])
+        assert 0.9 <= f[name]["tau_ratio"] <= 1.1, (name, f[name])
+        assert f[name]["text_match_rate"] >= 0.9, (name, f[name]["mismatches"])
+        assert f[name]["vllm_tau"] > 1.8, f[name]  # good enough for a drop to show
+    assert f["sglang"]["vllm_tau"] == f["speculators"]["vllm_tau"]  # same tensors, same layers
+    good_tau = f["sglang"]["vllm_tau"]
+    assert f["wrong_d2t"]["vllm_tau"] < 1 + 0.5 * (good_tau - 1), f["wrong_d2t"]
+    assert f["aux_order"]["vllm_tau"] < good_tau, f["aux_order"]
+    old = f["sglang_ids_only"]
+    assert not old["aux_layers_agree"] and not r["ok"]["aux_layers_agree"]
+    assert old["vllm_aux_layers"] == [k - 1 for k in old["ours_aux_layers"]], old  # one layer early
+    assert old["vllm_tau"] < old["ours_tau"], old
+    # Speculation never changes vLLM's greedy output, broken head or not; and vLLM's plain greedy is ours.
+    assert r["vllm_spec_vs_vanilla_match_rate"] >= 0.9 and r["vllm_vanilla_vs_ours_match_rate"] >= 0.9
