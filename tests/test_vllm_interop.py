@@ -18,7 +18,24 @@ import check_vllm
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("EAGLERAY_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
 
-pytestmark = pytest.mark.slow
+
+
+def test_checker_arithmetic():
+    assert check_vllm.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert check_vllm.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert check_vllm.first_difference([1, 2], [1, 2, 7]) == 2
+    runs = [{"drafts": 10, "accepted": 12, "accepted_per_pos": [6, 4, 2]},
+            {"drafts": 30, "accepted": 18, "accepted_per_pos": [10, 6, 2]}]
+    pooled = check_vllm.pool(runs)
+    assert pooled == {"drafts": 40, "accepted": 30, "accepted_per_pos": [16, 10, 4]}
+    assert check_vllm.tau_from_counts(40, 30) == 1.75 and check_vllm.by_pos(pooled) == [0.4, 0.25, 0.1]
+
+
+def test_vllm_aux_layers_from_log():
+    log = "x\n(Worker pid=1) INFO [gpu_model_runner.py:5243] Using auxiliary layers from speculative config: (2, 8, 13)\n"
+    assert check_vllm.vllm_aux_layers(log, 16) == ([2, 8, 13], "config")
+    assert check_vllm.vllm_aux_layers("no such line", 16) == ([2, 8, 13], "default")  # vLLM's (2, N//2, N-3)
+    assert check_vllm.vllm_aux_layers("no such line", 8) == ([2, 4, 5], "default")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +79,7 @@ def sglang_ids_only(c):
     del c["eagle_aux_hidden_state_layer_ids"]
 
 
+@pytest.mark.slow
 def test_vllm_agrees_on_good_heads_and_sees_broken_ones(vllm_python, tiny_target, tiny_head, tmp_path, shared_data):
     good = tiny_head.parent
     heads = {"sglang": good / "head_sglang", "speculators": good / "head_speculators",

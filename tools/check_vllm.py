@@ -2,10 +2,10 @@
 
     python tools/check_vllm.py [--target runs/demo/target] [--head-dir runs/demo/head]
         [--heads NAME=DIR ...] [--vllm-python .venv-vllm/bin/python] [--k 3] [--n 40]
-        [--max-new-tokens 96] [--prompts FILE.jsonl] [--no-vanilla]
+        [--max-new-tokens 96] [--prompts FILE.jsonl] [--dtype float32|bfloat16] [--no-vanilla]
 
 Same prompts as tools/bench_decode.py (MT-Bench first turns + GSM8K questions, chat template), T=0,
-fp32. vLLM runs in its own venv (`make vllm-install`) through tools/vllm_runner.py, one process per head;
+fp32 by default. vLLM runs in its own venv (`make vllm-install`) through tools/vllm_runner.py, one process per head;
 our generator runs here in chain mode with the same k. tau = 1 + accepted draft tokens / drafts in
 both engines (vLLM's mean acceptance length); accept_by_pos[d] = share of drafts whose first d + 1
 tokens were accepted. A vLLM run without a head (skip with --no-vanilla) separates "vLLM's target
@@ -41,6 +41,16 @@ def tau_from_counts(drafts: int, accepted: int) -> float:
     return round(1 + accepted / max(1, drafts), 4)
 
 
+def by_pos(run: dict) -> list[float]:
+    return [round(x / max(1, run["drafts"]), 4) for x in run["accepted_per_pos"]]
+
+
+def pool(runs: list[dict]) -> dict:
+    """Sum the speculative counters of several runs (the top-level figures pool every head)."""
+    return {"drafts": sum(r["drafts"] for r in runs), "accepted": sum(r["accepted"] for r in runs),
+            "accepted_per_pos": [sum(col) for col in zip(*(r["accepted_per_pos"] for r in runs))]}
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (the shorter length when one is a prefix), None when equal."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -59,10 +69,10 @@ def vllm_aux_layers(log_text: str, num_layers: int) -> tuple[list[int], str]:
 
 
 def run_vllm(python: str, target: Path, head: Path | None, prompts: list[list[int]], k: int, max_new: int,
-             work: Path, name: str) -> dict:
+             work: Path, name: str, dtype: str = "float32") -> dict:
     req, res, log = work / f"{name}.request.json", work / f"{name}.result.json", work / f"{name}.log"
     req.write_text(json.dumps({"target": str(target), "head": str(head) if head else None, "k": k,
-                               "max_new_tokens": max_new, "prompts": prompts}))
+                               "max_new_tokens": max_new, "prompts": prompts, "dtype": dtype}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with log.open("w") as f:
         proc = subprocess.run([python, str(ROOT / "tools/vllm_runner.py"), str(req), str(res)],
@@ -89,13 +99,12 @@ def run_ours(gen: EagleGenerator, prompts: list[list[int]], k: int, max_new: int
 
 @torch.no_grad()
 def margin_at(model, ids: list[int]) -> float:
-    """Target's top-1 minus top-2 logit for the token after `ids` (fp32, HF reference implementation)."""
+    """Target's top-1 minus top-2 logit for the token after `ids` (HF implementation, the dtype under test)."""
     top = model(torch.tensor([ids])).logits[0, -1].float().topk(2).values
     return round(float(top[0] - top[1]), 5)
 
 
-def compare(gen, prompts, ours: dict, theirs: dict, k: int, texts: list[str]) -> dict:
-    by_pos = lambda r: [round(x / max(1, r["drafts"]), 4) for x in r["accepted_per_pos"]]  # noqa: E731
+def compare(gen, prompts, ours: dict, theirs: dict, texts: list[str]) -> dict:
     vt, ot = tau_from_counts(theirs["drafts"], theirs["accepted"]), tau_from_counts(ours["drafts"], ours["accepted"])
     mismatches = []
     for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])):
@@ -130,6 +139,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=Path)
     ap.add_argument("--shared", type=Path)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     ap.add_argument("--no-vanilla", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work-dir", type=Path, help="keep vLLM requests, results and logs here")
@@ -149,39 +159,31 @@ def main(argv=None) -> dict:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="check_vllm_"))
     work.mkdir(parents=True, exist_ok=True)
 
-    result = {"k": args.k, "prompts": len(texts), "max_new_tokens": args.max_new_tokens, "formats": {}}
-    pooled = {"ours": {"drafts": 0, "accepted": 0, "accepted_per_pos": [0] * args.k},
-              "vllm": {"drafts": 0, "accepted": 0, "accepted_per_pos": [0] * args.k}, "match": 0, "n": 0}
-    prompts, ours_tokens, vllm_tokens = None, None, {}
+    result = {"k": args.k, "dtype": args.dtype, "prompts": len(texts), "max_new_tokens": args.max_new_tokens,
+              "formats": {}}
+    prompts, runs = None, {"ours": {}, "vllm": {}}
     for name, head in heads.items():
-        gen = EagleGenerator.from_folders(args.target, head)
+        gen = EagleGenerator.from_folders(args.target, head, dtype=getattr(torch, args.dtype))
         prompts = prompts or [chat_ids(gen.tokenizer, t) for t in texts]
-        ours = run_ours(gen, prompts, args.k, args.max_new_tokens)
-        theirs = run_vllm(args.vllm_python, args.target, Path(head), prompts, args.k, args.max_new_tokens, work, name)
-        entry = compare(gen, prompts, ours, theirs, args.k, texts)
-        ours_tokens = ours_tokens or ours["tokens"]
-        vllm_tokens[name] = theirs["tokens"]
+        ours = runs["ours"][name] = run_ours(gen, prompts, args.k, args.max_new_tokens)
+        theirs = runs["vllm"][name] = run_vllm(args.vllm_python, args.target, Path(head), prompts, args.k,
+                                               args.max_new_tokens, work, name, args.dtype)
+        entry = compare(gen, prompts, ours, theirs, texts)
         result["formats"][name] = {"head": head, **entry}
         print(json.dumps({name: {k: v for k, v in entry.items() if k != "mismatches"}}), flush=True)
-        for side, r in (("ours", ours), ("vllm", theirs)):
-            pooled[side]["drafts"] += r["drafts"]
-            pooled[side]["accepted"] += r["accepted"]
-            pooled[side]["accepted_per_pos"] = [a + b for a, b in zip(pooled[side]["accepted_per_pos"],
-                                                                        r["accepted_per_pos"])]
-        pooled["match"] += len(prompts) - len(entry["mismatches"])
-        pooled["n"] += len(prompts)
-    v, o = pooled["vllm"], pooled["ours"]
+    v, o = pool(list(runs["vllm"].values())), pool(list(runs["ours"].values()))
     result["vllm_tau"] = tau_from_counts(v["drafts"], v["accepted"])
     result["ours_tau"] = tau_from_counts(o["drafts"], o["accepted"])
     result["tau_ratio"] = round(result["vllm_tau"] / result["ours_tau"], 4)
-    result["vllm_accept_by_pos"] = [round(x / max(1, v["drafts"]), 4) for x in v["accepted_per_pos"]]
-    result["ours_accept_by_pos"] = [round(x / max(1, o["drafts"]), 4) for x in o["accepted_per_pos"]]
-    result["text_match_rate"] = round(pooled["match"] / max(1, pooled["n"]), 4)
+    result["vllm_accept_by_pos"], result["ours_accept_by_pos"] = by_pos(v), by_pos(o)
+    matched = sum(len(prompts) - len(f["mismatches"]) for f in result["formats"].values())
+    result["text_match_rate"] = round(matched / (len(prompts) * len(heads)), 4)
     if not args.no_vanilla:  # vLLM's plain greedy: are mismatches the engine's numerics or speculation?
-        plain = run_vllm(args.vllm_python, args.target, None, prompts, args.k, args.max_new_tokens, work, "vanilla")
+        plain = run_vllm(args.vllm_python, args.target, None, prompts, args.k, args.max_new_tokens, work, "vanilla",
+                         args.dtype)
         rate = lambda xs, ys: round(sum(first_difference(a, b) is None for a, b in zip(xs, ys)) / len(xs), 4)  # noqa: E731
-        result["vllm_vanilla_vs_ours_match_rate"] = rate(plain["tokens"], ours_tokens)
-        result["vllm_spec_vs_vanilla_match_rate"] = min(rate(plain["tokens"], v) for v in vllm_tokens.values())
+        result["vllm_vanilla_vs_ours_match_rate"] = rate(plain["tokens"], next(iter(runs["ours"].values()))["tokens"])
+        result["vllm_spec_vs_vanilla_match_rate"] = min(rate(plain["tokens"], r["tokens"]) for r in runs["vllm"].values())
     result["ok"] = {"aux_layers_agree": all(f["aux_layers_agree"] for f in result["formats"].values()),
                     "tau_ratio_in_0.9_1.1": 0.9 <= result["tau_ratio"] <= 1.1,
                     "text_match_rate_ge_0.9": result["text_match_rate"] >= 0.9}
