@@ -110,7 +110,9 @@ class EagleGenerator:
         return int(torch.multinomial(sampling_probs(logits[None], s.temperature, s.top_p)[0], 1, generator=gen))
 
     def _finish(self, out: list[int], s: SpecSettings) -> tuple[list[int], str | None]:
-        """Cut at EOS, a stop string or max_new_tokens; returns (tokens, reason or None to go on)."""
+        """Cut at EOS, a stop string or max_new_tokens; returns (tokens, reason or None to go on).
+        A round can carry tokens past max_new_tokens: they are dropped before looking for EOS."""
+        out = out[: s.max_new_tokens]
         for i, t in enumerate(out):
             if t in self.eos:
                 return out[: i + 1], "eos"
@@ -121,7 +123,7 @@ class EagleGenerator:
                     if any(st in self.tokenizer.decode(out[:i], skip_special_tokens=True) for st in s.stop):
                         return out[:i], "stop"
         if len(out) >= s.max_new_tokens:
-            return out[: s.max_new_tokens], "length"
+            return out, "length"
         return out, None
 
     def generate(self, prompt_ids: list[int], s: SpecSettings = SpecSettings()) -> Generation:

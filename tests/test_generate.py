@@ -64,6 +64,18 @@ def test_greedy_identical_with_trained_head(tiny_target, tiny_head, demo_corpus)
     assert eos_in_tree > 0 and cut > 0 and accepted > 50
 
 
+def test_eos_past_max_new_tokens_is_not_kept():
+    """A round can accept tokens beyond max_new_tokens; an EOS among those must not extend the output
+    (found by a better-trained tiny head: one token more than HF's greedy)."""
+    gen = EagleGenerator.__new__(EagleGenerator)
+    gen.eos, gen.tokenizer = {2}, None
+    s = SpecSettings(max_new_tokens=3)
+    assert gen._finish([5, 6, 7, 2], s) == ([5, 6, 7], "length")
+    assert gen._finish([5, 2, 7, 9], s) == ([5, 2], "eos")
+    assert gen._finish([5, 6, 2], s) == ([5, 6, 2], "eos")
+    assert gen._finish([5, 6], s) == ([5, 6], None)
+
+
 def test_kv_after_second_branch_equals_fresh_forward(tiny_target):
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target)
@@ -90,7 +102,8 @@ def test_kv_after_second_branch_equals_fresh_forward(tiny_target):
     with torch.no_grad():
         model(input_ids=torch.tensor([committed]), past_key_values=fresh, use_cache=True)
     for a, b in zip(cache.layers, fresh.layers):
-        assert a.keys.shape == b.keys.shape == (1, 2, len(committed), 16)
+        cfg = model.config
+        assert a.keys.shape == b.keys.shape == (1, cfg.num_key_value_heads, len(committed), cfg.head_dim)
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
     gen.draft.ingest(aux[torch.tensor(accepted)], torch.tensor([ref[1], ref[2], bonus]), plen + torch.arange(3))
