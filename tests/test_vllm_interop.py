@@ -24,6 +24,7 @@ def test_checker_arithmetic():
     assert check_vllm.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert check_vllm.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert check_vllm.first_difference([1, 2], [1, 2, 7]) == 2
+    assert check_vllm.match_rate([[1, 2], [3], [4]], [[1, 2], [3, 9], [4]]) == round(2 / 3, 4)
     runs = [{"drafts": 10, "accepted": 12, "accepted_per_pos": [6, 4, 2]},
             {"drafts": 30, "accepted": 18, "accepted_per_pos": [10, 6, 2]}]
     pooled = check_vllm.pool(runs)

@@ -5,15 +5,15 @@
         [--max-new-tokens 96] [--prompts FILE.jsonl] [--dtype float32|bfloat16] [--no-vanilla]
 
 Same prompts as tools/bench_decode.py (MT-Bench first turns + GSM8K questions, chat template), T=0,
-fp32 by default. vLLM runs in its own venv (`make vllm-install`) through tools/vllm_runner.py, one process per head;
-our generator runs here in chain mode with the same k. tau = 1 + accepted draft tokens / drafts in
+fp32 by default. vLLM runs in its own venv (`make vllm-install`) through tools/vllm_runner.py, one
+process per head; our generator runs here in chain mode with the same k. tau = 1 + accepted draft tokens / drafts in
 both engines (vLLM's mean acceptance length); accept_by_pos[d] = share of drafts whose first d + 1
 tokens were accepted. A vLLM run without a head (skip with --no-vanilla) separates "vLLM's target
 computes other greedy tokens" from "speculation changed the output". Mismatched prompts are listed with
 the first differing position and the target's top-1/top-2 logit margin there (a near tie means float
 noise, not a bug), and the target layers vLLM feeds each head (from its log; its default rule when it names
 none) against ours, both in vLLM's numbering. Top-level figures pool every head given. The last line
-printed is one JSON object.
+printed is one JSON object; the exit status is 1 when any of its `ok` checks fails.
 """
 from __future__ import annotations
 
@@ -66,6 +66,10 @@ def vllm_aux_layers(log_text: str, num_layers: int) -> tuple[list[int], str]:
     if m:
         return sorted({int(x) for x in m.group(1).split(",") if x.strip()}), "config"
     return sorted({2, num_layers // 2, num_layers - 3}), "default"
+
+
+def match_rate(xs: list[list[int]], ys: list[list[int]]) -> float:
+    return round(sum(first_difference(a, b) is None for a, b in zip(xs, ys)) / max(1, len(xs)), 4)
 
 
 def run_vllm(python: str, target: Path, head: Path | None, prompts: list[list[int]], k: int, max_new: int,
@@ -181,9 +185,10 @@ def main(argv=None) -> dict:
     if not args.no_vanilla:  # vLLM's plain greedy: are mismatches the engine's numerics or speculation?
         plain = run_vllm(args.vllm_python, args.target, None, prompts, args.k, args.max_new_tokens, work, "vanilla",
                          args.dtype)
-        rate = lambda xs, ys: round(sum(first_difference(a, b) is None for a, b in zip(xs, ys)) / len(xs), 4)  # noqa: E731
-        result["vllm_vanilla_vs_ours_match_rate"] = rate(plain["tokens"], next(iter(runs["ours"].values()))["tokens"])
-        result["vllm_spec_vs_vanilla_match_rate"] = min(rate(plain["tokens"], r["tokens"]) for r in runs["vllm"].values())
+        ours_tokens = next(iter(runs["ours"].values()))["tokens"]
+        result["vllm_vanilla_vs_ours_match_rate"] = match_rate(plain["tokens"], ours_tokens)
+        result["vllm_spec_vs_vanilla_match_rate"] = min(match_rate(plain["tokens"], r["tokens"])
+                                                        for r in runs["vllm"].values())
     result["ok"] = {"aux_layers_agree": all(f["aux_layers_agree"] for f in result["formats"].values()),
                     "tau_ratio_in_0.9_1.1": 0.9 <= result["tau_ratio"] <= 1.1,
                     "text_match_rate_ge_0.9": result["text_match_rate"] >= 0.9}
@@ -193,4 +198,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if all(main()["ok"].values()) else 1)  # fails `make vllm-check` when the engines disagree
