@@ -6,17 +6,15 @@ speedup is a ratio measured on one machine at one time. Writes report.json, repo
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from pipeline.cluster import ensure_ray
-from pipeline.config import ExistingPath, StrictModel, load_or_exit
+from pipeline.config import ExistingPath, StrictModel, config_arguments, errors_exit, load_or_exit
 
 
 class Bench(StrictModel):
@@ -142,16 +140,10 @@ def evaluate(cfg: EvalConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m infer.eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = config_arguments("python -m infer.eval", __doc__).parse_args(argv)
     cfg = load_or_exit(EvalConfig, args.config, args.overrides)
-    try:
+    with errors_exit("eval"):
         report = evaluate(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"eval error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
     print(json.dumps({n: {k: b[k] for k in ("tau", "speedup", "match_rate")} for n, b in report["benchmarks"].items()}))
     print(f"report: {cfg.out_dir / 'report.md'}")
     return report

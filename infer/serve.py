@@ -7,7 +7,6 @@ and the request deadline, so a disconnected stream frees the replica at the next
 No postponed annotations here: the handlers travel to the replicas by value, where FastAPI must still see
 their real parameter types. The application is importable for `serve run infer.serve:app_from_env` too (config in $EAGLERAY_SERVE_CONFIG).
 """
-import argparse
 import asyncio
 import json
 import os
@@ -19,7 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel, Field
 
 from pipeline.cluster import ensure_ray
-from pipeline.config import ExistingPath, StrictModel, load_or_exit
+from pipeline.config import ExistingPath, StrictModel, config_arguments, load_or_exit
 
 
 class Speculative(StrictModel):
@@ -302,10 +301,7 @@ def start(cfg: ServeConfig, blocking: bool = False):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = config_arguments("python -m infer.serve", __doc__).parse_args(argv)
     cfg = load_or_exit(ServeConfig, args.config, args.overrides)
     url = start(cfg)
     print(f"serving {cfg.model_name} at {url}/v1 (Ctrl-C to stop)", flush=True)

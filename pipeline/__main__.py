@@ -7,13 +7,11 @@ tokenized samples with the loss-masked spans marked [[ like this ]].
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 
 from pipeline.cluster import ensure_ray, quiet_ray_data
-from pipeline.config import load_or_exit
+from pipeline.config import config_arguments, errors_exit, load_or_exit
 from pipeline.schema import PipelineConfig
 
 
@@ -22,18 +20,13 @@ def log(stage: str, info: dict, t0: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value, e.g. capture.dtype=fp16")
+    ap = config_arguments("python -m pipeline", __doc__, "capture.dtype=fp16")
     ap.add_argument("--plan", action="store_true", help="print the storage estimate and exit")
     ap.add_argument("--inspect", type=int, default=0, metavar="N", help="print N masked samples after tokenize")
     args = ap.parse_args(argv)
     cfg = load_or_exit(PipelineConfig, args.config, args.overrides)
-    try:
+    with errors_exit("pipeline", catch=(ValueError,)):  # bad settings, empty data: one line, exit 1
         return run(cfg, plan_only=args.plan, inspect_n=args.inspect)
-    except ValueError as e:  # user-facing problems (bad settings, empty data): one line, exit 1
-        print(f"pipeline error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dict:

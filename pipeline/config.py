@@ -6,7 +6,9 @@ the source file and the dotted key.
 """
 from __future__ import annotations
 
+import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Sequence, TypeVar
 
@@ -145,3 +147,29 @@ def load_or_exit(model: type[T], path: str | Path | None, overrides: Sequence[st
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def config_arguments(prog: str, doc: str, example: str = "") -> argparse.ArgumentParser:
+    """The command line every entry point shares: CONFIG.yaml, then dotted key=value overrides."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value" + (f", e.g. {example}" if example else ""))
+    return ap
+
+
+@contextmanager
+def errors_exit(label: str, catch: tuple = (ValueError, FileNotFoundError), root_cause: bool = False):
+    """User-facing failures as one '<label> error: ...' line on stderr and exit status 1. With root_cause,
+    any other error too, unwrapped to its root (Ray wraps worker errors several times)."""
+    try:
+        yield
+    except catch as e:
+        print(f"{label} error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except Exception as e:
+        if not root_cause:
+            raise
+        while getattr(e, "__cause__", None) is not None:
+            e = e.__cause__
+        print(f"{label} error: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
