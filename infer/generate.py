@@ -18,9 +18,9 @@ from typing import Literal
 import torch
 
 from infer.draft import DraftRunner
-from pipeline.hidden import default_aux_layers
+from pipeline.target import default_aux_layers, num_layers
 from infer.target import TargetRunner, compact_cache
-from infer.tree import accept_greedy, accept_sampling, compaction_indices, verify_mask
+from infer.tree import accept_greedy, accept_sampling, compaction_indices
 
 
 @dataclass
@@ -95,7 +95,7 @@ class EagleGenerator:
 
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(target_dir)
-        n_layers = target.config.get_text_config().num_hidden_layers
+        n_layers = num_layers(target.config)
         head, aux = None, None
         if head_dir is not None:
             state, hcfg, aux = import_head(Path(head_dir), n_layers)
@@ -166,7 +166,7 @@ class EagleGenerator:
             k, total = (1, depth + 1) if mode == "chain" else (s.top_k, s.total_tokens)
             tree = self.draft.build_tree(root, hid, dlog, plen - 1, k, depth, total)
             logits, aux = self.target.forward(tree.tokens, tree.positions(plen), cache,
-                                              verify_mask(tree, plen, self.target.dtype))
+                                              self.target.verify_masks(tree, plen))
             if s.temperature <= 0:
                 accepted, bonus = accept_greedy(tree, logits.argmax(-1))
             else:

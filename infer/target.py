@@ -1,13 +1,16 @@
 """The target side of speculative decoding: any HF causal LM on its own KV cache, with aux capture.
 
 Forward hooks on the decoder layers collect the same aux states as the pipeline's capture rule, during
-prefill and during every tree verify, so the draft never needs a second pass over the target.
+prefill and during every tree verify, so the draft never needs a second pass over the target. Verify
+masks follow the target's attention layout (docs/ARCHITECTURE.md "Verify masks"): a sliding-window
+layer must not see more of the prefix during verify than it does in prefill and in HF generate.
 """
 from __future__ import annotations
 
 import torch
 
-from pipeline.hidden import decoder_layers
+from infer.tree import Tree, verify_mask
+from pipeline.target import CHUNKED, SLIDING, attention_layout, decoder_layers
 
 
 class TargetRunner:
@@ -16,9 +19,8 @@ class TargetRunner:
         self.aux_layer_ids = list(aux_layer_ids)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.layout = attention_layout(model)  # refuses recurrent / unmaskable layouts up front
         layers = decoder_layers(model)
-        if layers is None:
-            raise ValueError(f"{type(model).__name__}: cannot find its decoder layers to capture aux states")
         self._grabbed: dict[int, torch.Tensor] = {}
         for j in self.aux_layer_ids:
             layers[j].register_forward_hook(self._hook(j))
@@ -28,13 +30,24 @@ class TargetRunner:
             self._grabbed[j] = output[0] if isinstance(output, tuple) else output
         return fn
 
+    def verify_masks(self, tree: Tree, prefix_len: int):
+        """The attention_mask argument for verifying `tree`: one 4D mask, or {layer type: 4D mask}."""
+        def one(kind: str, window: int | None) -> torch.Tensor:
+            return verify_mask(tree, prefix_len, self.dtype, window if kind == SLIDING else None,
+                               window if kind == CHUNKED else None).to(self.device)
+        kinds = self.layout.kinds
+        if self.layout.per_type:
+            return {kind: one(kind, w) for kind, w in kinds.items()}
+        (kind, w), = kinds.items()  # attention_layout refused mixed layouts without per-type masks
+        return one(kind, w)
+
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask4d: torch.Tensor | None = None
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask=None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions [n] -> (logits [n, V] fp32, aux [n, 3H]); appends n rows to `cache`."""
+        """tokens, positions [n] -> (logits [n, V] fp32, aux [n, 3H]); appends n rows to `cache`.
+        mask: None (causal, the model builds it) or what `verify_masks` returns."""
         out = self.model(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
-                         attention_mask=None if mask4d is None else mask4d.to(self.device),
-                         past_key_values=cache, use_cache=True)
+                         attention_mask=mask, past_key_values=cache, use_cache=True)
         aux = torch.cat([self._grabbed[j][0] for j in self.aux_layer_ids], dim=-1)
         return out.logits[0].float(), aux
 

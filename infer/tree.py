@@ -114,25 +114,36 @@ def accept_sampling(tree: Tree, target_probs: torch.Tensor, generator: torch.Gen
     """Lossless multi-candidate acceptance. target_probs [n, V]: the target's (temperature / top-p
     processed) next-token distribution at every node. At each node its children are tried in order:
     child x is accepted with probability p(x) of the current residual; on rejection p(x) is zeroed and
-    the residual renormalised; if none is accepted the bonus token is drawn from the residual."""
+    the residual renormalised; if none is accepted the bonus token is drawn from the residual.
+    A rejected child never comes back: if rounding leaves the residual empty (all mass sat on rejected
+    children, a probability-zero event in exact arithmetic), the bonus is the most likely token that was
+    not rejected."""
     node, accepted = 0, [0]
     while True:
         p = target_probs[node].double().clone()
+        rejected: list[int] = []
         moved = False
         for c in tree.children(node):
             x = int(tree.tokens[c])
+            if x in rejected:  # a duplicate child token: already refused at this node
+                continue
             if torch.rand((), generator=generator, dtype=torch.float64) < p[x]:
                 accepted.append(c)
                 node, moved = c, True
                 break
+            rejected.append(x)
             p[x] = 0.0
             total = p.sum()
-            if total <= 0:  # only by rounding: all mass sat on rejected children
-                p = target_probs[node].double().clone()
+            if total <= 0:
                 break
             p /= total
-        if not moved:
-            return accepted, int(torch.multinomial(p.float(), 1, generator=generator))
+        if moved:
+            continue
+        if p.sum() <= 0:
+            fallback = target_probs[node].double().clone()
+            fallback[rejected] = -1.0
+            return accepted, int(fallback.argmax())
+        return accepted, int(torch.multinomial(p.float(), 1, generator=generator))
 
 
 def compaction_indices(prefix_len: int, accepted: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,10 +153,20 @@ def compaction_indices(prefix_len: int, accepted: list[int]) -> tuple[torch.Tens
     return src, dst
 
 
-def verify_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask [1, 1, n, prefix_len + n]: the whole prefix plus each node's ancestors."""
+def verify_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, window: int | None = None,
+                chunk: int | None = None) -> torch.Tensor:
+    """Additive 4D mask [1, 1, n, prefix_len + n]: the whole prefix plus each node's ancestors, for a
+    full-attention layer. A sliding-window layer (`window`) also hides keys at positions <= q - window,
+    as transformers' sliding mask does; a chunked layer (`chunk`) hides keys of other chunks. Positions:
+    prefix slot p is position p, node j is at prefix_len + depth[j] (the committed cache is contiguous)."""
     n = tree.size
     visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree.mask], dim=1)
+    q_pos = prefix_len + tree.depth
+    k_pos = torch.cat([torch.arange(prefix_len), q_pos])
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    if chunk is not None:
+        visible &= (k_pos[None, :] // chunk) == (q_pos[:, None] // chunk)
     mask = torch.zeros(n, prefix_len + n, dtype=dtype)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]

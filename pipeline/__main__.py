@@ -13,6 +13,7 @@ import time
 from pipeline.cluster import ensure_ray, quiet_ray_data
 from pipeline.config import config_arguments, errors_exit, load_or_exit
 from pipeline.schema import PipelineConfig
+from pipeline.target import text_config
 
 
 def log(stage: str, info: dict, t0: float) -> None:
@@ -71,7 +72,7 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
         from transformers import AutoConfig
 
         tcfg = AutoConfig.from_pretrained(cfg.target)
-        vocab = getattr(getattr(tcfg, "text_config", None) or tcfg, "vocab_size")
+        vocab = text_config(tcfg).vocab_size
         summary["vocab"] = run_vocab(cfg.vocab.draft_vocab_size, tokens, vocab, cfg.stage_dir("capture"))
         log("vocab", summary["vocab"], t0)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))

@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from pipeline.hidden import TORCH_DTYPES, capture_hidden, resolve_aux_layers, to_bytes
+from pipeline.hidden import StorageOverflow, capture_hidden, check_logit_rule, to_bytes
+from pipeline.target import resolve_aux_layers, text_config
 from pipeline.schema import Capture
 from pipeline.shards import (MANIFEST, rows_digest, shard_meta, shard_name, shard_ranges, signature_mismatch,
                              target_signature, write_shard)
@@ -67,8 +68,11 @@ def capture_rows(model, device: str, rows: list[dict], layer_ids: list[int], dty
             torch.cuda.synchronize()
         fwd_s += time.perf_counter() - t0
         for j, i in enumerate(group):
-            aux_b[i] = to_bytes(aux[j, : lengths[i]], dtype)
-            last_b[i] = to_bytes(last[j, : lengths[i]], dtype)
+            try:
+                aux_b[i] = to_bytes(aux[j, : lengths[i]], dtype)
+                last_b[i] = to_bytes(last[j, : lengths[i]], dtype)
+            except StorageOverflow as e:
+                raise StorageOverflow(f"capture row {rows[i]['id']}: {e}") from None
     table = pa.table({
         "id": pa.array([r["id"] for r in rows], pa.string()),
         "input_ids": pa.array([np.asarray(r["input_ids"], np.int32) for r in rows], pa.list_(pa.int32())),
@@ -85,6 +89,7 @@ class CaptureWorker:
         if self.cfg.threads_per_actor:
             torch.set_num_threads(self.cfg.threads_per_actor)
         self.model, self.device = load_target(target, self.cfg.model_dtype, self.cfg.num_gpus_per_actor > 0)
+        check_logit_rule(self.model, signature["aux_layer_ids"])
         self.pad_id = self.model.config.pad_token_id or 0
         self.tokens = pq.read_table(tokens_path, columns=["id", "input_ids", "loss_mask", "n_tokens"])
         self.out_dir, self.signature = Path(out_dir), signature
@@ -112,8 +117,7 @@ def make_signature(target: Path, cfg: Capture, max_length: int) -> dict:
 
     from pipeline.tokenize import load_tokenizer
 
-    tcfg = AutoConfig.from_pretrained(target)
-    tcfg = getattr(tcfg, "text_config", None) or tcfg
+    tcfg = text_config(AutoConfig.from_pretrained(target))
     layers = resolve_aux_layers(tcfg.num_hidden_layers, cfg.layer_ids)
     return target_signature(target, load_tokenizer(str(target)), tcfg.num_hidden_layers, tcfg.hidden_size,
                             layers, cfg.dtype, max_length)

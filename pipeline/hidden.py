@@ -1,8 +1,8 @@
 """Target capture rule (DESIGN §3): fused low/mid/high residual states and the final-norm output.
 
-Aux states are the outputs of decoder layers [1, N//2-1, N-4] (HF hidden_states[j+1]); `last_hidden` is
-what the lm_head consumes. Forward hooks on the decoder layers take them from any Hugging Face causal
-LM without a patched class; models whose layers cannot be found fall back to output_hidden_states.
+Aux states are the outputs of decoder layers [1, N//2-1, N-4] (HF hidden_states[j+1], the rule lives in
+pipeline/target.py); `last_hidden` is what the lm_head consumes. Forward hooks on the decoder layers take
+them from any Hugging Face causal LM without a patched class.
 The base model is run without the lm_head, so capture costs no more than a bare forward.
 """
 from __future__ import annotations
@@ -10,41 +10,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pipeline.target import decoder_layers
+
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """0-indexed decoder layers whose outputs are captured: low, mid, high."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def resolve_aux_layers(num_layers: int, layer_ids: list[int] | None) -> list[int]:
-    ids = list(layer_ids) if layer_ids is not None else default_aux_layers(num_layers)
-    if len(ids) != 3:
-        raise ValueError(f"capture.layer_ids: need exactly 3 layers (low, mid, high), got {ids}")
-    bad = [j for j in ids if not 0 <= j < num_layers]
-    if bad:
-        raise ValueError(f"capture.layer_ids: {bad} out of range for a {num_layers}-layer target "
-                         f"(default rule gives {default_aux_layers(num_layers)})")
-    return ids
-
-
-def decoder_layers(model) -> torch.nn.ModuleList | None:
-    base = getattr(model, model.base_model_prefix, None) if hasattr(model, "base_model_prefix") else None
-    for owner in (base, getattr(model, "model", None), model):
-        layers = getattr(owner, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return layers
-    return None
 
 
 @torch.no_grad()
 def capture_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (aux [B, T, 3H] low|mid|high, last [B, T, H]) in the model's dtype."""
-    layers = decoder_layers(model)
-    base = getattr(model, model.base_model_prefix, None)
-    if layers is None or base is None:
+    layers = decoder_layers(model)  # refuses, naming the class, when there are none
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                     use_cache=False)
         hs = out.hidden_states
@@ -65,12 +42,22 @@ def capture_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return torch.cat([grabbed[j] for j in layer_ids], dim=-1), out.last_hidden_state
 
 
+class StorageOverflow(ValueError):
+    """A hidden state does not fit the storage dtype (fp16 overflows past 65504)."""
+
+
 def to_bytes(t: torch.Tensor, dtype: str) -> bytes:
-    """A [T, D] tensor as little-endian raw bytes of the storage dtype."""
-    t = t.detach().to(TORCH_DTYPES[dtype]).contiguous().cpu()
+    """A [T, D] tensor as little-endian raw bytes of the storage dtype; refuses values the dtype turns
+    into inf (fp16's range is +-65504: large-activation targets overflow it, bf16 keeps fp32's range)."""
+    t = t.detach()
+    stored = t.to(TORCH_DTYPES[dtype]).contiguous().cpu()
+    if stored.is_floating_point() and not bool(torch.isfinite(stored).all()):
+        worst = float(t.float().abs().nan_to_num(posinf=float("inf")).max())
+        raise StorageOverflow(f"hidden state does not fit {dtype} (max |x| = {worst:.4g}); capture with "
+                              f"capture.dtype: bf16")
     if dtype == "bf16":  # numpy has no bf16: move the bits as int16
-        return t.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
-    return t.numpy().astype("<f2" if dtype == "fp16" else "<f4", copy=False).tobytes()
+        return stored.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+    return stored.numpy().astype("<f2" if dtype == "fp16" else "<f4", copy=False).tobytes()
 
 
 def from_bytes(buf: bytes, dtype: str, width: int) -> torch.Tensor:
@@ -80,3 +67,25 @@ def from_bytes(buf: bytes, dtype: str, width: int) -> torch.Tensor:
         return torch.from_numpy(arr.copy()).view(torch.bfloat16)
     arr = np.frombuffer(buf, dtype="<f2" if dtype == "fp16" else "<f4").reshape(-1, width)
     return torch.from_numpy(arr.copy())
+
+
+@torch.no_grad()
+def check_logit_rule(model, layer_ids: list[int], tokens: int = 12) -> float:
+    """Refuse a target whose logits are not `target_logits(last_hidden)` (pipeline/target.py): training
+    would learn another distribution than the one decoding verifies against. Returns the max abs error."""
+    from pipeline.target import LogitRule, target_logits, text_config
+
+    device = next(model.parameters()).device
+    ids = (torch.arange(tokens, device=device)[None] * 7 + 3) % text_config(model.config).vocab_size
+    _, last = capture_hidden(model, ids, None, layer_ids)
+    head = model.get_output_embeddings()
+    ours = target_logits(last.float(), head.weight.float(), None if getattr(head, "bias", None) is None
+                         else head.bias.float(), LogitRule.of(model.config))
+    theirs = model(input_ids=ids, use_cache=False).logits.float()
+    err = float((ours - theirs).abs().max())
+    if not err <= 1e-3 * max(1.0, float(theirs.abs().max())):
+        raise ValueError(f"{type(model).__name__}: its logits differ from lm_head(last_hidden) under the known "
+                         f"transforms (bias, soft-capping, logit scale) by {err:.3g}; this target transforms its "
+                         f"logits in a way EagleRay does not model, so a head trained on it would learn the wrong "
+                         f"distribution")
+    return err

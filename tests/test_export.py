@@ -83,13 +83,20 @@ def test_aux_fields_must_agree_and_either_alone_reads(tmp_path):
         import_head(out, 8)
 
 
-def test_repeated_aux_layers_refused_for_vllm(tmp_path):
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_aux_layers_must_be_distinct_ascending_in_every_format(tmp_path, fmt):
+    """Engines sort and de-duplicate aux ids (vLLM) or capture in layer order (SGLang): repeated or
+    unordered ids would feed the head other features than it was trained on, so no format takes them."""
     head, state = head_and_state()
-    with pytest.raises(ValueError, match=r"speculators \(vLLM\) needs 3 distinct aux layers, the shards have \[1, 1, 2\]"):
-        export_head(state, head.config, [1, 1, 2], 6, tmp_path / "v", "speculators")
-    export_head(state, head.config, [1, 1, 2], 6, tmp_path / "s", "sglang")  # our engine and SGLang take them
-    with pytest.raises(ValueError, match="not 3 layers of a 8-layer target"):
-        export_head(state, head.config, [1, 3, 8], 8, tmp_path / "x", "sglang")
+    with pytest.raises(ValueError, match=r"\[1, 1, 2\] must be strictly ascending"):
+        export_head(state, head.config, [1, 1, 2], 6, tmp_path / "a", fmt)
+    with pytest.raises(ValueError, match=r"\[3, 1, 4\] must be strictly ascending"):
+        export_head(state, head.config, [3, 1, 4], 8, tmp_path / "b", fmt)
+    with pytest.raises(ValueError, match=r"\[8\] out of range for a 8-layer target"):
+        export_head(state, head.config, [1, 3, 8], 8, tmp_path / "x", fmt)
+    assert not any((tmp_path / d).exists() for d in "abx")
+    export_head(state, head.config, [1, 3, 4], 8, tmp_path / "ok", fmt)
+    assert (tmp_path / "ok" / "model.safetensors").is_file()
 
 
 def test_speculators_layout(tmp_path):

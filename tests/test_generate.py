@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from infer.generate import EagleGenerator, SpecSettings
 from infer.target import compact_cache
 from infer.tree import Candidates, accept_greedy, compaction_indices, finalize, verify_mask
-from pipeline.hidden import default_aux_layers
+from pipeline.target import default_aux_layers
 from test_pipeline_capture import make_random_target
 from trainer.head import Eagle3Head, head_config_from_target
 

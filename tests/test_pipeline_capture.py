@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.capture import micro_batches, run_capture
-from pipeline.hidden import default_aux_layers, from_bytes, resolve_aux_layers
+from pipeline.hidden import from_bytes
+from pipeline.target import default_aux_layers, resolve_aux_layers
 from pipeline.schema import Capture
 from pipeline.shards import read_manifest, shard_ranges
 

@@ -20,11 +20,12 @@ import torch
 
 from pipeline.hidden import from_bytes
 from pipeline.shards import read_manifest, sha256_file
+from pipeline.target import resolve_aux_layers, text_config
 
 
 def check_manifest(manifest: dict, target: Path, tokenizer, tcfg) -> None:
     """Refuse shards captured from another target: the message names the field that disagrees."""
-    tcfg = getattr(tcfg, "text_config", None) or tcfg
+    tcfg = text_config(tcfg)
 
     tmpl = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
         tokenizer.chat_template, sort_keys=True)
@@ -39,10 +40,10 @@ def check_manifest(manifest: dict, target: Path, tokenizer, tcfg) -> None:
         if got != want:
             raise ValueError(f"shards do not match the target {target}: manifest field {field} is {got!r}, "
                              f"the target has {want!r}")
-    ids = manifest.get("aux_layer_ids") or []
-    if len(ids) != 3 or not all(0 <= j < tcfg.num_hidden_layers for j in ids):
-        raise ValueError(f"shards do not match the target {target}: manifest field aux_layer_ids {ids} "
-                         f"is not 3 layers of a {tcfg.num_hidden_layers}-layer model")
+    try:
+        resolve_aux_layers(tcfg.num_hidden_layers, manifest.get("aux_layer_ids") or [], "manifest aux_layer_ids")
+    except ValueError as e:
+        raise ValueError(f"shards do not match the target {target}: {e}") from None
 
 
 def shard_files(shard_dir: Path) -> list[str]:

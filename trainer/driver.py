@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.shards import read_manifest
+from pipeline.target import text_config
 from pipeline.vocab import load_draft_vocab
 from trainer.config import TrainConfig
 from trainer.data import check_manifest, drop_ids, plan_batches, shard_files, val_rows
@@ -95,7 +96,7 @@ def run_training(cfg: TrainConfig) -> dict:
     manifest = read_manifest(cfg.data.shards)
     tcfg = AutoConfig.from_pretrained(cfg.target)
     check_manifest(manifest, cfg.target, AutoTokenizer.from_pretrained(cfg.target), tcfg)
-    check_exportable(manifest["aux_layer_ids"], (getattr(tcfg, "text_config", None) or tcfg).num_hidden_layers,
+    check_exportable(manifest["aux_layer_ids"], text_config(tcfg).num_hidden_layers,
                      list(cfg.export_formats))
     d2t, t2d = load_draft_vocab(cfg.data.shards)
     held_out = set(val_rows(cfg.data.shards, cfg.data.val_rows)["id"].to_pylist()) if cfg.data.val_rows else set()
@@ -139,7 +140,7 @@ def run_training(cfg: TrainConfig) -> dict:
 def finish(cfg: TrainConfig, manifest: dict, tcfg, wall: float) -> dict:
     """Export the best head in every configured format and write report.json."""
     out_dir = cfg.out_dir
-    tcfg = getattr(tcfg, "text_config", None) or tcfg
+    tcfg = text_config(tcfg)
     state, hcfg, _ = import_head(out_dir / "best", tcfg.num_hidden_layers)
     exports = {}
     for fmt in cfg.export_formats:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
 
-from pipeline.hidden import default_aux_layers
+from pipeline.target import default_aux_layers, resolve_aux_layers
+from trainer.head import HeadConfig
 
 LAYER_KEYS = ["hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
               "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -36,21 +36,16 @@ def check_keys(state: dict, where: str) -> None:
 
 
 def check_exportable(aux_layer_ids: list[int], num_target_layers: int, formats: list[str]) -> None:
-    """Refuse what an engine cannot load, before training rather than after it."""
-    aux = list(aux_layer_ids)
-    if len(aux) != 3 or not all(0 <= j < num_target_layers for j in aux):
-        raise ValueError(f"export: aux layer ids {aux} are not 3 layers of a {num_target_layers}-layer target")
+    """Refuse what an engine cannot load, before training rather than after it: engines sort and
+    de-duplicate aux ids, so only three distinct ascending layers mean the same thing everywhere."""
+    resolve_aux_layers(num_target_layers, list(aux_layer_ids), "export: aux layer ids")
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"export_formats: unknown {unknown} (known: {', '.join(FORMATS)})")
-    if "speculators" in formats and len(set(aux)) < 3:  # vLLM de-duplicates the ids, then fc's width is wrong
-        raise ValueError(f"export_formats: speculators (vLLM) needs 3 distinct aux layers, the shards have {aux} "
-                         f"(the default rule repeats layers below 7 target layers): capture with distinct "
-                         f"capture.layer_ids or export sglang only")
 
 
-def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
-    h, ht, hd = cfg.hidden_size, getattr(cfg, "target_hidden_size", None) or cfg.hidden_size, cfg.head_dim
+def expected_shapes(cfg: HeadConfig) -> dict[str, tuple]:
+    h, ht, hd = cfg.hidden_size, cfg.target_hidden_size, cfg.head_dim
     nq, nkv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
     return {"fc.weight": (h, 3 * ht), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
             "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
@@ -61,14 +56,14 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
             "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter)}
 
 
-def _rope_fields(cfg: LlamaConfig) -> dict:
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    theta = rope.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+def _rope_fields(cfg: HeadConfig) -> dict:
+    rope = dict(cfg.rope_parameters)
+    theta = rope.pop("rope_theta", 10000.0)
     scaling = rope if rope.get("rope_type", "default") != "default" else None
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def _llama_fields(cfg: LlamaConfig) -> dict:
+def _llama_fields(cfg: HeadConfig) -> dict:
     return {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
@@ -77,7 +72,7 @@ def _llama_fields(cfg: LlamaConfig) -> dict:
             "tie_word_embeddings": False, "torch_dtype": "float32"}
 
 
-def export_head(state: dict, cfg: LlamaConfig, aux_layer_ids: list[int], num_target_layers: int, out: Path,
+def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], num_target_layers: int, out: Path,
                 fmt: str, target_name: str = "", target_arch: str = "LlamaForCausalLM") -> Path:
     """Write a head folder (config.json + model.safetensors) in `fmt`."""
     state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
@@ -85,9 +80,9 @@ def export_head(state: dict, cfg: LlamaConfig, aux_layer_ids: list[int], num_tar
     for k, shape in expected_shapes(cfg).items():
         if tuple(state[k].shape) != shape:
             raise ValueError(f"export: {k} has shape {tuple(state[k].shape)}, expected {shape}")
-    out.mkdir(parents=True, exist_ok=True)
-    ht = getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
     check_exportable(aux_layer_ids, num_target_layers, [fmt])
+    out.mkdir(parents=True, exist_ok=True)
+    ht = cfg.target_hidden_size
     aux = [int(j) for j in aux_layer_ids]
     inputs = [j + 1 for j in aux]  # vLLM / speculators numbering: id k is hidden_states[k], input of layer k
     if fmt == "sglang":
@@ -118,7 +113,7 @@ def export_head(state: dict, cfg: LlamaConfig, aux_layer_ids: list[int], num_tar
     return out
 
 
-def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dict, LlamaConfig, list[int] | None]:
+def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dict, HeadConfig, list[int] | None]:
     """Read a head in either format -> (state in SGLang naming, head config, aux ids as outputs of layers;
     None when the config relies on the default rule and num_target_layers is not given)."""
     folder = Path(folder)
@@ -147,14 +142,13 @@ def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dic
     rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
     if fields.get("rope_scaling"):
         rope.update(fields["rope_scaling"])
-    cfg = LlamaConfig(
-        hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"], num_hidden_layers=1,
+    cfg = HeadConfig(
+        hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
         num_attention_heads=fields["num_attention_heads"], num_key_value_heads=fields["num_key_value_heads"],
         head_dim=fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"],
-        vocab_size=fields["vocab_size"], rms_norm_eps=fields["rms_norm_eps"],
-        max_position_embeddings=fields["max_position_embeddings"], rope_parameters=rope, tie_word_embeddings=False)
-    cfg.draft_vocab_size = fields["draft_vocab_size"]
-    cfg.target_hidden_size = fields["target_hidden_size"]
+        vocab_size=fields["vocab_size"], draft_vocab_size=fields["draft_vocab_size"],
+        target_hidden_size=fields["target_hidden_size"], rms_norm_eps=fields["rms_norm_eps"],
+        max_position_embeddings=fields["max_position_embeddings"], rope_parameters=rope)
     for k, shape in expected_shapes(cfg).items():
         if tuple(state[k].shape) != shape:
             raise ValueError(f"{folder}: {k} has shape {tuple(state[k].shape)}, expected {shape}")

@@ -5,32 +5,93 @@ state_dict is an export. The target's embedding is not part of the head: callers
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from pipeline.target import text_config
 from trainer.ttt import (shift_left, step_correct, step_loss, ttt_attention, step_weights)
 
+# RoPE types the exported head can declare in a Llama-style config (both engines implement these).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
-def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int | None = None) -> LlamaConfig:
-    """A head shaped like one layer of the target (H, heads, kv heads, head_dim, rope, eps)."""
-    tcfg = getattr(tcfg, "text_config", None) or tcfg
+
+@dataclass
+class HeadConfig:
+    """The head's shape: one Llama decoder layer over [embedding ; fused target features] (ARCHITECTURE.md)."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int                 # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+
+
+def head_rope(tcfg) -> dict:
+    """The target's RoPE as a Llama rope_parameters dict (theta + scaling of a type engines load).
+    Per-layer-type dicts (Gemma-3) take the full-attention entry; targets without RoPE (GPT-2) get
+    theta 10000; partial-rotary and other model-specific fields are dropped (the head is a Llama layer)."""
+    rope = getattr(tcfg, "rope_parameters", None) or {}
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = rope["full_attention"]
+    theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", None) or 10000.0)
+    kind = rope.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        kind, rope = "default", {}
+    out = {k: v for k, v in rope.items() if k != "partial_rotary_factor"} if kind != "default" else {}
+    return out | {"rope_type": kind, "rope_theta": float(theta)}
+
+
+def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int | None = None) -> HeadConfig:
+    """A head shaped like one layer of the target (H, heads, kv heads, rope, eps). Targets whose layers
+    are not Llama-shaped (GPT-2, MLA) get head_dim H / heads and an MLP of 4H when they name none."""
+    tcfg = text_config(tcfg)
+    h = tcfg.hidden_size
     heads = tcfg.num_attention_heads
-    rope = getattr(tcfg, "rope_parameters", None) or {"rope_type": "default",
-                                                       "rope_theta": getattr(tcfg, "rope_theta", 10000.0)}
-    cfg = LlamaConfig(
-        hidden_size=tcfg.hidden_size, intermediate_size=intermediate_size or tcfg.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=heads,
-        num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-        vocab_size=tcfg.vocab_size, rms_norm_eps=tcfg.rms_norm_eps,
-        max_position_embeddings=tcfg.max_position_embeddings, rope_parameters=dict(rope),
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-    cfg.draft_vocab_size = draft_vocab_size
-    cfg.target_hidden_size = tcfg.hidden_size
-    return cfg
+    head_dim = getattr(tcfg, "head_dim", None) or h // heads
+    if getattr(tcfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2/V3): head_dim there is the rope part only
+        head_dim = h // heads
+    inter = intermediate_size or getattr(tcfg, "intermediate_size", None) or getattr(tcfg, "n_inner", None) or 4 * h
+    eps = next((getattr(tcfg, k) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+                if getattr(tcfg, k, None)), 1e-6)
+    return HeadConfig(hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
+                      num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                      vocab_size=tcfg.vocab_size, draft_vocab_size=draft_vocab_size, target_hidden_size=h,
+                      rms_norm_eps=float(eps), max_position_embeddings=tcfg.max_position_embeddings,
+                      rope_parameters=head_rope(tcfg))
+
+
+class Rotary:
+    """RoPE tables from an fp32 inv_freq kept outside the module's buffers: `.to(bf16)` and DeepSpeed's
+    bf16 casts never round it (a bf16 inv_freq shifts every angle; positions past ~256 go wrong)."""
+
+    def __init__(self, cfg: HeadConfig):
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        llama = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                            head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                            rope_parameters=dict(cfg.rope_parameters))
+        ref = LlamaRotaryEmbedding(config=llama)
+        self.inv_freq = ref.inv_freq.detach().float().cpu().clone()
+        self.scaling = float(ref.attention_scaling)
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * inv
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +106,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: HeadConfig):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
@@ -68,7 +129,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -79,7 +140,7 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -89,17 +150,17 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.config = cfg
-        h, h_t = cfg.hidden_size, getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
+        h, h_t = cfg.hidden_size, cfg.target_hidden_size
         self.fc = nn.Linear(3 * h_t, h, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
-        self.rotary = LlamaRotaryEmbedding(config=cfg)
+        self.rotary = Rotary(cfg)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)

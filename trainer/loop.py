@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from trainer.config import TrainConfig
 from trainer.data import collate, iter_micro_batches, val_rows
 from trainer.export import export_head, head_state
+from pipeline.target import text_config
 from trainer.head import Eagle3Head, head_config_from_target
+from trainer.warm_start import warm_start_state
 from trainer.target_parts import load_target_parts
 from trainer.ttt import simulated_tau, target_distribution
 
@@ -57,22 +58,24 @@ class Runner:
         if cfg.scaling.threads_per_worker:
             torch.set_num_threads(cfg.scaling.threads_per_worker)
         torch.manual_seed(cfg.seed)
-        emb, lm, tcfg = load_target_parts(cfg.target)
-        self.tcfg = getattr(tcfg, "text_config", None) or tcfg
+        parts = load_target_parts(cfg.target)
+        self.tcfg = text_config(parts.config)
         self.aux_layer_ids = aux_layer_ids
         hcfg = head_config_from_target(self.tcfg, len(d2t), cfg.model.intermediate_size)
         head = Eagle3Head(hcfg)
         if cfg.model.init_from is not None:
             from trainer.export import import_head
             state, _, _ = import_head(cfg.model.init_from, self.tcfg.num_hidden_layers)
+            state = warm_start_state(state, hcfg, d2t, parts.lm_weight)
             head.load_state_dict(state, strict=False)
         head.set_vocab(d2t, t2d)
         self.hcfg = hcfg
         self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
-        self.embed = emb.to(self.device, self.compute_dtype)
-        self.target_lm = lm.to(self.device, torch.float32)
+        self.target = parts.to(self.device, self.compute_dtype)
         self.t2d = t2d.to(self.device)
         self.engine = self._engine(head)
+        inv = self.engine.module.rotary.inv_freq
+        assert inv.dtype == torch.float32, f"head RoPE inv_freq is {inv.dtype} after engine init, must stay fp32"
 
     def _engine(self, head):
         import deepspeed
@@ -94,9 +97,8 @@ class Runner:
         b = collate(rows, self.storage_dtype, self.tcfg.hidden_size)
         ids, mask = b["input_ids"].to(self.device), b["loss_mask"].to(self.device)
         with torch.no_grad():
-            emb = F.embedding(ids, self.embed)
-            tlogits = b["last"].to(self.device, torch.float32) @ self.target_lm.T
-            p, am = target_distribution(tlogits, self.t2d)
+            emb = self.target.embed(ids)
+            p, am = target_distribution(self.target.logits(b["last"].to(self.device)), self.t2d)
         out = self.engine(b["aux"].to(self.device, self.compute_dtype), emb, p, am, mask,
                           self.cfg.model.ttt_length, self.cfg.model.decay)
         return out, sum(len(r["input_ids"]) for r in rows)

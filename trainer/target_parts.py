@@ -1,4 +1,6 @@
-"""The two target tensors the trainer needs: input embedding and lm_head, read without loading the model.
+"""The target tensors the trainer needs (input embedding, lm_head and its bias), read without loading
+the model, and the two functions built on them: `embed` (what the draft is fed) and `logits` (the
+target's real next-token logits, transforms included; ARCHITECTURE.md "The target").
 
 Parameter names are discovered on a meta-device instance of the target's own class, then only those
 tensors are read from its safetensors files (a 70B target costs two matrices of memory, not 140 GB).
@@ -6,17 +8,20 @@ tensors are read from its safetensors files (a 70B target costs two matrices of 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from pipeline.target import LogitRule, target_logits
 
-def _param_name(model, module) -> str:
+
+def _param_name(model, param) -> str:
     for name, p in model.named_parameters():
-        if p is module.weight:
+        if p is param:
             return name
-    raise KeyError("weight of the requested module not found among the model's parameters")
+    raise KeyError("the requested tensor is not among the model's parameters")
 
 
 def _read(target: Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -35,17 +40,42 @@ def _read(target: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_target_parts(target: str | Path) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """-> (embedding [V, H], lm_head [V, H], target config)."""
+@dataclass
+class TargetParts:
+    embedding: torch.Tensor          # [V, H]
+    lm_weight: torch.Tensor          # [V, H]
+    lm_bias: torch.Tensor | None     # [V] (Phi-2, GPT-J style heads) or None
+    rule: LogitRule
+    config: object
+
+    def to(self, device, embed_dtype=None) -> "TargetParts":
+        bias = None if self.lm_bias is None else self.lm_bias.to(device, torch.float32)
+        return TargetParts(self.embedding.to(device, embed_dtype or self.embedding.dtype),
+                           self.lm_weight.to(device, torch.float32), bias, self.rule, self.config)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The draft's token embeddings: a plain lookup in the target's embedding matrix, which is what
+        vLLM's EAGLE-3 proposer feeds (it shares the target's embed_tokens module; model-level scaling
+        such as Gemma's sqrt(H) normalizer is not part of it) and what our decoder feeds."""
+        return torch.nn.functional.embedding(ids, self.embedding)
+
+    def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        return target_logits(last_hidden.float(), self.lm_weight, self.lm_bias, self.rule)
+
+
+def load_target_parts(target: str | Path) -> TargetParts:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     target = Path(target)
     cfg = AutoConfig.from_pretrained(target)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    emb_name = _param_name(model, model.get_input_embeddings())
+    emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    tied = head.weight is model.get_input_embeddings().weight or getattr(cfg, "tie_word_embeddings", False)
-    head_name = emb_name if tied else _param_name(model, head)
-    tensors = _read(target, sorted({emb_name, head_name}))
-    return tensors[emb_name], tensors[head_name], cfg
+    emb_name = _param_name(model, emb)
+    tied = head.weight is emb or getattr(cfg, "tie_word_embeddings", False)
+    head_name = emb_name if tied else _param_name(model, head.weight)
+    bias_name = _param_name(model, head.bias) if getattr(head, "bias", None) is not None else None
+    tensors = _read(target, sorted({emb_name, head_name} | ({bias_name} if bias_name else set())))
+    return TargetParts(tensors[emb_name], tensors[head_name], tensors.get(bias_name) if bias_name else None,
+                       LogitRule.of(cfg), cfg)

@@ -1,0 +1,53 @@
+"""Warm start from another head (`model.init_from`): its weights, its lm_head rows remapped by token.
+
+A head's lm_head row i scores draft id i, i.e. target token i + d2t[i]. A new corpus gives a new draft
+vocabulary, so the old rows are moved to the new draft ids of the same target tokens; tokens the old head
+never scored start from the target's own lm_head row (the head's hidden width is the target's).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from trainer.head import HeadConfig
+
+log = logging.getLogger(__name__)
+
+
+def remap_lm_head(old_w: torch.Tensor, old_d2t: torch.Tensor, new_d2t: torch.Tensor,
+                  target_lm: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """-> (lm_head rows for the new draft vocab [len(new_d2t), H], how many came from the old head)."""
+    vocab = target_lm.shape[0]
+    old_tokens = torch.arange(len(old_d2t)) + old_d2t.long()
+    new_tokens = torch.arange(len(new_d2t)) + new_d2t.long()
+    row_of = torch.full((vocab,), -1, dtype=torch.long)
+    row_of[old_tokens] = torch.arange(len(old_tokens))
+    src = row_of[new_tokens]
+    out = target_lm[new_tokens].to(old_w.dtype).clone()
+    kept = src >= 0
+    out[kept] = old_w[src[kept]]
+    return out, int(kept.sum())
+
+
+def warm_start_state(state: dict, cfg: HeadConfig, d2t: torch.Tensor, target_lm: torch.Tensor) -> dict:
+    """An imported head's state made to fit `cfg` and this corpus's draft vocabulary `d2t`; refuses a
+    head of another shape (other hidden size, target width or vocabulary) naming the tensor."""
+    from trainer.export import expected_shapes
+
+    want = expected_shapes(cfg)
+    for k, shape in want.items():
+        if k in ("lm_head.weight", "d2t"):
+            continue
+        if tuple(state[k].shape) != shape:
+            raise ValueError(f"model.init_from: {k} has shape {tuple(state[k].shape)}, this target's head needs "
+                             f"{shape}")
+    if target_lm.shape[1] != cfg.hidden_size:
+        raise ValueError(f"model.init_from: the head is {cfg.hidden_size} wide but the target's lm_head is "
+                         f"{target_lm.shape[1]}: new draft tokens have no row to start from")
+    rows, kept = remap_lm_head(state["lm_head.weight"], state["d2t"], d2t, target_lm)
+    log.info("init_from: %d of %d lm_head rows from the old head, %d from the target's lm_head",
+             kept, len(d2t), len(d2t) - kept)
+    out = dict(state, **{"lm_head.weight": rows, "d2t": d2t.clone()})
+    out.pop("t2d", None)
+    return out
