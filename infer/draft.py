@@ -19,6 +19,7 @@ class DraftRunner:
         self.embed = embed
         attn = head.midlayer.self_attn
         self.kv_heads, self.head_dim = attn.kv_heads, attn.head_dim
+        self.level_logits: list[torch.Tensor] = []  # the last tree's draft logits per level (tests read it)
         self.reset()
 
     def reset(self) -> None:
@@ -63,6 +64,7 @@ class DraftRunner:
             return idx + d2t[idx], lp
 
         tok, lp = children(root_logits[None])
+        self.level_logits = [root_logits[None]]
         frontier = grow(cands, [-1], tok, lp, top_k)
         elem_of: dict[int, int] = {}  # candidate -> tree element index
         hid, ks, vs = [], [], []      # per tree element: output, key, value
@@ -88,6 +90,7 @@ class DraftRunner:
                 hid.append(x[row])
             ks.append(k)
             vs.append(v)
+            self.level_logits.append(logits)
             tok, lp = children(logits)
             frontier = grow(cands, frontier, tok, lp, top_k)
         return finalize(root_token, cands, rerank(cands, total_tokens))

@@ -25,6 +25,10 @@ from infer.tree import accept_greedy, accept_sampling, compaction_indices
 
 @dataclass
 class SpecSettings:
+    """Tree shape in SGLang's convention (docs/ARCHITECTURE.md "Tree parameters"): `depth` = draft levels
+    (SGLang --speculative-num-steps), `total_tokens` = nodes verified per round, the root included
+    (--speculative-num-draft-tokens). Official EAGLE's (top_k, depth, total_token) = our
+    (top_k, depth + 1, total_token + 1): use `from_eagle`."""
     mode: Literal["tree", "chain", "vanilla"] = "tree"
     top_k: int = 4
     depth: int = 5
@@ -34,6 +38,12 @@ class SpecSettings:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_eagle(cls, top_k: int, depth: int, total_token: int, **kw) -> "SpecSettings":
+        """Official EAGLE `topK_genrate` parameters (GPU defaults 10 / 7 / 60): `depth` expansions after
+        the root's children (depth + 1 draft levels) and `total_token` drafted nodes plus the root."""
+        return cls(top_k=top_k, depth=depth + 1, total_tokens=total_token + 1, **kw)
 
 
 @dataclass

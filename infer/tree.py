@@ -115,35 +115,25 @@ def accept_sampling(tree: Tree, target_probs: torch.Tensor, generator: torch.Gen
     processed) next-token distribution at every node. At each node its children are tried in order:
     child x is accepted with probability p(x) of the current residual; on rejection p(x) is zeroed and
     the residual renormalised; if none is accepted the bonus token is drawn from the residual.
-    A rejected child never comes back: if rounding leaves the residual empty (all mass sat on rejected
-    children, a probability-zero event in exact arithmetic), the bonus is the most likely token that was
-    not rejected."""
+    A rejected child never comes back: a child holding all the residual mass is accepted outright (its
+    probability is 1 in exact arithmetic; rounding could otherwise reject it and leave nothing to draw)."""
     node, accepted = 0, [0]
     while True:
         p = target_probs[node].double().clone()
-        rejected: list[int] = []
         moved = False
         for c in tree.children(node):
             x = int(tree.tokens[c])
-            if x in rejected:  # a duplicate child token: already refused at this node
-                continue
-            if torch.rand((), generator=generator, dtype=torch.float64) < p[x]:
+            rest = float(p.sum() - p[x])
+            if rest <= 0 or torch.rand((), generator=generator, dtype=torch.float64) < p[x]:
+                if p[x] <= 0:  # no mass anywhere (an all-zero row): nothing to accept
+                    break
                 accepted.append(c)
                 node, moved = c, True
                 break
-            rejected.append(x)
             p[x] = 0.0
-            total = p.sum()
-            if total <= 0:
-                break
-            p /= total
-        if moved:
-            continue
-        if p.sum() <= 0:
-            fallback = target_probs[node].double().clone()
-            fallback[rejected] = -1.0
-            return accepted, int(fallback.argmax())
-        return accepted, int(torch.multinomial(p.float(), 1, generator=generator))
+            p /= rest
+        if not moved:
+            return accepted, int(torch.multinomial(p.float(), 1, generator=generator))
 
 
 def compaction_indices(prefix_len: int, accepted: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

