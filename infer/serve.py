@@ -28,7 +28,20 @@ class Speculative(StrictModel):
     total_tokens: int = Field(16, gt=1)
 
 
+class VllmServe(StrictModel):
+    """Options of the `vllm` backend only (Ray Serve LLM running vLLM)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, gt=0)
+    max_num_seqs: int = Field(64, gt=0)            # continuous batching width
+    kv_cache_gb: int = Field(1, ge=1)              # CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = True
+    ingress_num_cpus: float = Field(0, ge=0)       # the OpenAI ingress actor (needs none on CPU boxes)
+
+
 class ServeConfig(StrictModel):
+    backend: Literal["eagleray", "vllm"] = "eagleray"  # eagleray: our tree decoder, batch 1 per replica;
+    #                                                    vllm: Ray Serve LLM + vLLM, continuous batching, chains
     target: ExistingPath
     head: ExistingPath | None = None           # None: vanilla decoding of the target
     model_name: str = "eagleray"
@@ -44,7 +57,8 @@ class ServeConfig(StrictModel):
     max_tokens_limit: int = Field(512, gt=0)
     default_max_tokens: int = Field(128, gt=0)
     request_timeout_s: float = Field(120, gt=0)
-    speculative: Speculative = Speculative()
+    speculative: Speculative = Speculative()   # vllm backend: a chain of `depth` draft tokens
+    vllm: VllmServe = VllmServe()
     ray_address: str | None = None
 
 
@@ -296,7 +310,14 @@ def start(cfg: ServeConfig, blocking: bool = False):
 
     ensure_ray(cfg.ray_address)
     serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s + 30})
-    serve.run(build_application(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=blocking)
+    if cfg.backend == "vllm":
+        from infer.serve_vllm import build_vllm_application
+
+        cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": cfg.head.resolve() if cfg.head else None})
+        app = build_vllm_application(cfg)
+    else:
+        app = build_application(cfg)
+    serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=blocking)
     return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
 
 

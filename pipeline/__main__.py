@@ -45,7 +45,7 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
     summary, t0 = {}, time.time()
     records = cfg.stage_dir("ingest") / "records.jsonl"
     if cfg.ingest.enabled:
-        summary["ingest"] = run_ingest(cfg.ingest, cfg.stage_dir("ingest"))
+        summary["ingest"] = run_ingest(cfg.ingest, cfg.stage_dir("ingest"), prompt_only=cfg.regenerate.enabled)
         log("ingest", {k: v for k, v in summary["ingest"].items() if k != "sources"}, t0)
     if cfg.regenerate.enabled:
         summary["regenerate"] = run_regenerate(cfg.regenerate, cfg.target, records, cfg.stage_dir("regenerate"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-# Stay on 127.0.0.1 and let Ray's own clients in (STACK.md); must be set before Ray starts.
+# Stay on 127.0.0.1 and let Ray's own clients in (docs/ARCHITECTURE.md §9); must be set before Ray starts.
 for _k, _v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
                ("RAY_USAGE_STATS_ENABLED", "0"), ("TOKENIZERS_PARALLELISM", "false")):
     os.environ.setdefault(_k, _v)

@@ -1,4 +1,4 @@
-"""Corpus record formats (DESIGN §2.1): ShareGPT, UltraChat / OpenAI messages, question-answer pairs.
+"""Corpus record formats (ARCHITECTURE.md §2): ShareGPT, UltraChat / OpenAI messages, question-answer pairs.
 
 `normalise` turns one parsed record into `[{role, content}]` or a reject reason; `read_records` walks a
 .json (list) or .jsonl file and yields (line number, record or None, reason or None), so a broken line
@@ -34,16 +34,37 @@ def detect_format(obj: Any) -> str:
         return "ultrachat"
     if "question" in obj and "answer" in obj:
         return "qa"
-    raise Reject("missing_turns", "no 'conversations' or 'messages' field")
+    if any(k in obj for k in PROMPT_KEYS):
+        return "prompt"
+    raise Reject("missing_turns", "no 'conversations', 'messages', 'question', 'prompt' or 'instruction' field")
 
 
-def normalise(obj: Any, fmt: str = "auto") -> list[dict]:
-    """One record -> [{role, content}], roles user/assistant/system; raise Reject with a reason."""
+PROMPT_KEYS = ("prompt", "instruction", "question")  # bare prompts: {"prompt"}, Alpaca, GSM8K questions
+
+
+def prompt_turns(obj: dict) -> list[dict]:
+    """A bare prompt -> a user turn (Alpaca: instruction + input), with the answer if the record has one."""
+    key = next(k for k in PROMPT_KEYS if k in obj)
+    text = obj[key]
+    if key == "instruction" and isinstance(obj.get("input"), str) and obj["input"].strip():
+        text = f"{text}\n\n{obj['input']}" if isinstance(text, str) else text
+    turns = [{"role": "user", "content": text}]
+    answer = obj.get("output", obj.get("answer", obj.get("response")))
+    if answer is not None:
+        turns.append({"role": "assistant", "content": answer})
+    return turns
+
+
+def normalise(obj: Any, fmt: str = "auto", prompt_only: bool = False) -> list[dict]:
+    """One record -> [{role, content}], roles user/assistant/system; raise Reject with a reason.
+    prompt_only: user turns without answers are kept (the target writes them: regeneration is on)."""
     found = detect_format(obj)
     if fmt != "auto" and found != fmt:
         raise Reject("format_mismatch", f"looks like {found}, source declared {fmt}")
     if found == "qa":
         turns = [{"role": "user", "content": obj["question"]}, {"role": "assistant", "content": obj["answer"]}]
+    elif found == "prompt":
+        turns = prompt_turns(obj)
     else:
         raw = obj["conversations"] if found == "sharegpt" else obj["messages"]
         role_key, text_key = ("from", "value") if found == "sharegpt" else ("role", "content")
@@ -62,11 +83,12 @@ def normalise(obj: Any, fmt: str = "auto") -> list[dict]:
             raise Reject("non_string_content", type(t["content"]).__name__)
         if not t["content"].strip():
             raise Reject("empty_content", t["role"])
-    return check_order(turns)
+    return check_order(turns, prompt_only)
 
 
-def check_order(turns: list[dict]) -> list[dict]:
-    """System turns only first; then user/assistant alternating from a user; at least one assistant."""
+def check_order(turns: list[dict], prompt_only: bool = False) -> list[dict]:
+    """System turns only first; then user/assistant alternating from a user; at least one assistant
+    (unless prompt_only: then a trailing user turn is kept for the target to answer)."""
     body = turns
     while body and body[0]["role"] == "system":
         body = body[1:]
@@ -76,13 +98,13 @@ def check_order(turns: list[dict]) -> list[dict]:
         raise Reject("misplaced_system")
     if body[0]["role"] != "user":
         raise Reject("assistant_first")
-    if not any(t["role"] == "assistant" for t in body):
+    if not prompt_only and not any(t["role"] == "assistant" for t in body):
         raise Reject("no_assistant")
     for a, b in zip(body, body[1:]):
         if a["role"] == b["role"]:
             raise Reject("not_alternating", a["role"])
-    # A trailing user turn has no answer to learn from: drop it rather than the record.
-    if body[-1]["role"] == "user":
+    # Without regeneration a trailing user turn has no answer to learn from: drop it, not the record.
+    if body[-1]["role"] == "user" and not prompt_only:
         turns = turns[:-1]
     return turns
 

@@ -1,4 +1,4 @@
-"""Target capture rule (DESIGN §3): fused low/mid/high residual states and the final-norm output.
+"""Target capture rule (ARCHITECTURE.md §3): fused low/mid/high residual states and the final-norm output.
 
 Aux states are the outputs of decoder layers [1, N//2-1, N-4] (HF hidden_states[j+1], the rule lives in
 pipeline/target.py); `last_hidden` is what the lm_head consumes. Forward hooks on the decoder layers take

@@ -23,15 +23,16 @@ def content_key(messages: list[dict]) -> str:
     return hashlib.sha1(json.dumps(canon, ensure_ascii=False).encode()).hexdigest()
 
 
-def parse_source(row: dict, max_chars: int) -> list[dict]:
-    """One source file -> one row per record, accepted or rejected (runs as a Ray Data task)."""
+def parse_source(row: dict, max_chars: int, prompt_only: bool = False) -> list[dict]:
+    """One source file -> one row per record, accepted or rejected (runs as a Ray Data task).
+    prompt_only: records without answers are accepted (regeneration will write them)."""
     out = []
     for idx, obj, reason in read_records(row["path"]):
         rec = {"source": row["source"], "order": row["order"], "index": idx, "id": "", "messages": "",
                "key": "", "reason": reason or "", "detail": ""}
         if reason is None:
             try:
-                msgs = normalise(obj, row["format"])
+                msgs = normalise(obj, row["format"], prompt_only)
                 if sum(len(m["content"]) for m in msgs) > max_chars:
                     raise Reject("too_long", f"> {max_chars} characters")
                 rid = obj.get("id") or obj.get("prompt_id") if isinstance(obj, dict) else None
@@ -60,7 +61,8 @@ def mix_counts(available: dict[str, int], sources, total: int | None) -> dict[st
     return want
 
 
-def run_ingest(cfg: Ingest, out_dir: Path) -> dict:
+def run_ingest(cfg: Ingest, out_dir: Path, prompt_only: bool = False) -> dict:
+    """prompt_only is the pipeline's regeneration switch: with it on, the target answers bare prompts."""
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = [s.label for s in cfg.sources]
     if len(set(labels)) != len(labels):
@@ -68,7 +70,7 @@ def run_ingest(cfg: Ingest, out_dir: Path) -> dict:
     items = [{"source": s.label, "order": i, "path": str(s.path.resolve()), "format": s.format}
              for i, s in enumerate(cfg.sources)]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
-    rows = ds.flat_map(parse_source, fn_kwargs={"max_chars": cfg.max_chars}).take_all()
+    rows = ds.flat_map(parse_source, fn_kwargs={"max_chars": cfg.max_chars, "prompt_only": prompt_only}).take_all()
     rows.sort(key=lambda r: (r["order"], r["index"]))
 
     stats = {s.label: {"read": 0, "accepted": 0, "rejected": {}, "selected": 0, "not_sampled": 0}
@@ -114,6 +116,8 @@ def run_ingest(cfg: Ingest, out_dir: Path) -> dict:
             by_reason[k] = by_reason.get(k, 0) + v
     summary = {"records": len(mixed), "read": sum(st["read"] for st in stats.values()),
                "rejected": sum(by_reason.values()), "rejected_by_reason": by_reason,
-               "not_sampled": sum(st["not_sampled"] for st in stats.values()), "sources": stats}
+               "not_sampled": sum(st["not_sampled"] for st in stats.values()),
+               "prompt_only": sum(not any(m["role"] == "assistant" for m in json.loads(r["messages"])) for r in mixed),
+               "sources": stats}
     (out_dir / "stats.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -1,13 +1,22 @@
 """Stage 2 (optional), regenerate: the target rewrites every assistant turn in Ray Data actors.
 
-Turn k of every record in a batch is generated together (left-padded), conditioned on the record's
-already regenerated turns 0..k-1, so the draft later learns the target's own distribution. Each record
-ends as `success`, `skipped` (prompt too long for the target: kept as it was) or `errored` (kept
-as it was or dropped, per `on_error`); all are counted, none vanish.
+Turn k of every record in a batch is generated together, conditioned on the record's already regenerated
+turns 0..k-1, so the draft later learns the target's own distribution. Prompt-only records (user turns and
+no answer) get every answer written; a trailing user turn gets one too. Two engines behind one turn loop:
+`hf` (transformers `generate`, left-padded batches; any target) and `vllm` (a `vllm.LLM` held by the actor;
+continuous batching, ~3.5x faster on CPU). Ray's `ray.data.llm` processor is not used: it runs one pass per
+prompt, while turn k here needs turn k-1's answer within the same record.
+
+Each record ends as `success`, `skipped` (prompt too long for the target: kept as it was) or `errored`
+(kept as it was or dropped, per `on_error`), with a reason; all are counted, none vanish. A record with
+no answer of its own (prompt-only) that is not regenerated is dropped and counted: there is nothing to
+keep. The output is written once complete; a rerun with the same input and settings reuses it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -19,74 +28,190 @@ from pipeline.schema import Regenerate
 from pipeline.tokenize import read_records_table
 
 
-class Regenerator:
+def fill_slots(conv: list[dict]) -> tuple[list[dict], list[int]]:
+    """Positions the target answers: every assistant turn, plus a slot after a trailing user turn."""
+    conv = [dict(m) for m in conv]
+    if conv and conv[-1]["role"] == "user":
+        conv.append({"role": "assistant", "content": ""})
+    return conv, [j for j, m in enumerate(conv) if m["role"] == "assistant"]
+
+
+class TurnRegenerator:
+    """The turn loop, statuses and reasons, shared by both engines; subclasses implement `generate`."""
+
     def __init__(self, target: str, cfg: dict):
         from transformers import AutoTokenizer
 
-        from pipeline.capture import load_target
-
         self.cfg = Regenerate(**cfg)
-        self.model, self.device = load_target(target, "auto", self.cfg.num_gpus_per_actor > 0)
         self.tok = AutoTokenizer.from_pretrained(target)
-        self.tok.padding_side = "left"
-        if self.tok.pad_token is None:
-            self.tok.pad_token = self.tok.eos_token
-        self.max_pos = getattr(self.model.config, "max_position_embeddings", 4096)
         self.kw = {} if self.cfg.enable_thinking is None else {"enable_thinking": self.cfg.enable_thinking}
+        self.max_len = self.context_length(target)
+        self.stop_ids = self.eos_ids(target)
 
-    def _generate(self, prompts: list[list[dict]], seed: int) -> list[str]:
-        texts = [self.tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **self.kw)
-                 for p in prompts]
-        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        torch.manual_seed(seed)
-        sample = self.cfg.temperature > 0
-        out = self.model.generate(**enc, max_new_tokens=self.cfg.max_new_tokens, do_sample=sample,
-                                  temperature=self.cfg.temperature if sample else None,
-                                  top_p=self.cfg.top_p if sample else None, pad_token_id=self.tok.pad_token_id)
-        return [self.tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for row in out]
+    def eos_ids(self, target: str) -> set[int]:
+        from transformers import GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(target).eos_token_id
+        except OSError:
+            eos = None
+        eos = eos if eos is not None else self.tok.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    def context_length(self, target: str) -> int:
+        from transformers import AutoConfig
+
+        from pipeline.target import text_config
+
+        return int(getattr(text_config(AutoConfig.from_pretrained(target)), "max_position_embeddings", 4096))
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        """Prompt token ids -> answer token ids (cut before the first end-of-sequence token)."""
+        raise NotImplementedError
+
+    def cut(self, ids: list[int]) -> list[int]:
+        stops = self.stop_ids
+        for i, t in enumerate(ids):
+            if t in stops:
+                return ids[:i]
+        return ids
+
+    def text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True).strip()
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return list(self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=True, **self.kw)["input_ids"])
+
+    def _answers(self, prompts: list[list[int]], seed: int) -> list[list[int] | Exception]:
+        """A failed batch is retried record by record, so one bad prompt costs only its own record."""
+        try:
+            return list(self.generate(prompts, seed))
+        except Exception:  # noqa: BLE001 - isolate below
+            out: list[list[int] | Exception] = []
+            for i, p in enumerate(prompts):
+                try:
+                    out.append(self.generate([p], seed + i)[0])
+                except Exception as e:  # noqa: BLE001 - counted with its reason, never a crash
+                    out.append(e)
+            return out
 
     def __call__(self, batch: dict) -> pa.Table:
-        convs = [json.loads(m) for m in batch["messages"]]
-        status = ["success"] * len(convs)
-        turns = max(sum(m["role"] == "assistant" for m in c) for c in convs)
-        # Batch seed from the records' ids, so a record's sampled answer does not depend on scheduling.
-        seed = self.cfg.seed + zlib.crc32("".join(map(str, batch["id"])).encode())
-        for k in range(turns):
+        originals = [json.loads(m) for m in batch["messages"]]
+        convs, slots = zip(*(fill_slots(c) for c in originals)) if originals else ((), ())
+        convs = list(convs)
+        status, reason = ["success"] * len(convs), [""] * len(convs)
+        seed = self.cfg.seed + zlib.crc32("".join(map(str, batch["id"])).encode())  # not scheduling-dependent
+        for k in range(max((len(s) for s in slots), default=0)):
             todo, prompts = [], []
             for i, c in enumerate(convs):
-                pos = [j for j, m in enumerate(c) if m["role"] == "assistant"]
-                if status[i] != "success" or k >= len(pos):
+                if status[i] != "success" or k >= len(slots[i]):
                     continue
-                prompt = c[: pos[k]]
-                n = len(self.tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
-                                                     return_dict=True, **self.kw)["input_ids"])
-                if n + self.cfg.max_new_tokens > self.max_pos:
-                    status[i] = "skipped"
+                try:
+                    ids = self.prompt_ids(c[: slots[i][k]])
+                except Exception as e:  # noqa: BLE001 - a template that refuses this record
+                    status[i], reason[i] = "errored", f"chat_template: {type(e).__name__}: {str(e)[:120]}"
                     continue
-                todo.append((i, pos[k]))
-                prompts.append(prompt)
+                if len(ids) + self.cfg.max_new_tokens > self.max_len:
+                    status[i], reason[i] = "skipped", f"prompt {len(ids)} + max_new_tokens > context {self.max_len}"
+                    continue
+                todo.append((i, slots[i][k]))
+                prompts.append(ids)
             for s in range(0, len(prompts), self.cfg.batch_size):
                 chunk = todo[s: s + self.cfg.batch_size]
-                try:
-                    answers = self._generate(prompts[s: s + self.cfg.batch_size], seed + 7919 * k + s)
-                except Exception:  # e.g. out of memory on one batch: count it, keep going
-                    answers = [""] * len(chunk)
-                for (i, j), text in zip(chunk, answers):
-                    if text:
-                        convs[i][j] = {"role": "assistant", "content": text}
+                answers = self._answers(prompts[s: s + self.cfg.batch_size], seed + 7919 * k + s)
+                for (i, j), ans in zip(chunk, answers):
+                    text = ans if isinstance(ans, Exception) else self.text(ans)
+                    if isinstance(text, Exception):
+                        status[i], reason[i] = "errored", f"{type(text).__name__}: {str(text)[:160]}"
+                    elif not text:
+                        status[i], reason[i] = "errored", "empty answer"
                     else:
-                        status[i] = "errored"
-        originals = batch["messages"]
-        keep = [st != "errored" or self.cfg.on_error == "keep_original" for st in status]
-        msgs = [json.dumps(c, ensure_ascii=False) if st == "success" else originals[i]
+                        convs[i][j] = {"role": "assistant", "content": text}
+        keep = [st == "success" or (any(m["role"] == "assistant" for m in o)
+                                    and (st == "skipped" or self.cfg.on_error == "keep_original"))
+                for st, o in zip(status, originals)]
+        msgs = [json.dumps(c, ensure_ascii=False) if st == "success" else batch["messages"][i]
                 for i, (c, st) in enumerate(zip(convs, status))]
         return pa.table({"id": pa.array([str(x) for x in batch["id"]], pa.string()),
                          "messages": pa.array(msgs, pa.string()), "status": pa.array(status, pa.string()),
-                         "kept": pa.array(keep, pa.bool_())})
+                         "reason": pa.array(reason, pa.string()), "kept": pa.array(keep, pa.bool_())})
+
+
+class HFRegenerator(TurnRegenerator):
+    def __init__(self, target: str, cfg: dict):
+        super().__init__(target, cfg)
+        from pipeline.capture import load_target
+
+        if self.cfg.threads_per_actor:
+            torch.set_num_threads(self.cfg.threads_per_actor)
+        self.model, self.device = load_target(target, "auto", self.cfg.num_gpus_per_actor > 0)
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        torch.manual_seed(seed)
+        sample = self.cfg.temperature > 0
+        out = self.model.generate(input_ids=ids, attention_mask=att, max_new_tokens=self.cfg.max_new_tokens,
+                                  do_sample=sample, temperature=self.cfg.temperature if sample else None,
+                                  top_p=self.cfg.top_p if sample else None, pad_token_id=self.pad)
+        return [self.cut(row[width:].tolist()) for row in out]
+
+
+class VllmRegenerator(TurnRegenerator):
+    """vLLM's offline engine inside the actor (in-process: Ray already gave the actor its CPUs / GPU)."""
+
+    def __init__(self, target: str, cfg: dict):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(Regenerate(**cfg).vllm.kv_cache_gb))
+        super().__init__(target, cfg)
+        from vllm import LLM
+
+        v = self.cfg.vllm
+        try:
+            self.llm = LLM(model=target, dtype=v.dtype, max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
+                           max_num_seqs=v.max_num_seqs, seed=self.cfg.seed,
+                           gpu_memory_utilization=v.gpu_memory_utilization)
+        except Exception as e:  # noqa: BLE001 - one line naming the config keys, not an engine traceback
+            raise RuntimeError(f"regenerate.engine=vllm: the vLLM engine did not start for {target} "
+                               f"({type(e).__name__}: {str(e)[:300]}); check regenerate.vllm.* "
+                               f"(max_model_len, kv_cache_gb, dtype) or use regenerate.engine=hf") from None
+
+    def context_length(self, target: str) -> int:
+        limit = self.cfg.vllm.max_model_len
+        return min(limit, super().context_length(target)) if limit else super().context_length(target)
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                 max_tokens=self.cfg.max_new_tokens, seed=seed + i)
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [self.cut(list(o.outputs[0].token_ids)) for o in outs]
+
+
+ENGINES = {"hf": HFRegenerator, "vllm": VllmRegenerator}
+
+
+def _fingerprint(cfg: Regenerate, target: Path, records: Path) -> str:
+    h = hashlib.sha256(cfg.model_dump_json(exclude={"num_actors", "num_cpus_per_actor", "batch_size"}).encode())
+    h.update(str(Path(target).resolve()).encode())
+    h.update((Path(target) / "config.json").read_bytes())
+    h.update(records.read_bytes())
+    return h.hexdigest()
 
 
 def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
+    stats_path, fp = out_dir / "stats.json", _fingerprint(cfg, target, records)
+    if stats_path.is_file() and (out_dir / "records.jsonl").is_file():
+        old = json.loads(stats_path.read_text())
+        if old.get("fingerprint") == fp:  # same input, same settings: the finished output stands
+            return old | {"reused": True}
     table = read_records_table(records)
     sources = {}
     with open(records, encoding="utf-8") as f:
@@ -94,7 +219,7 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path) 
             rec = json.loads(line)
             sources[rec["id"]] = rec["source"]
     ds = ray.data.from_arrow(table).repartition(max(1, min(cfg.num_actors * 4, table.num_rows // cfg.batch_size)))
-    ds = ds.map_batches(Regenerator, batch_size=cfg.batch_size * 4, batch_format="numpy",
+    ds = ds.map_batches(ENGINES[cfg.engine], batch_size=cfg.batch_size * 4, batch_format="numpy",
                         compute=ray.data.ActorPoolStrategy(size=cfg.num_actors), num_cpus=cfg.num_cpus_per_actor,
                         num_gpus=cfg.num_gpus_per_actor, fn_constructor_kwargs={"target": str(target),
                                                                                "cfg": cfg.model_dump()})
@@ -102,15 +227,26 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path) 
     order = {rid: i for i, rid in enumerate(table.column("id").to_pylist())}
     rows = sorted(result.to_pylist(), key=lambda r: order[r["id"]])
     counts = {"success": 0, "skipped": 0, "errored": 0, "dropped": 0}
-    with open(out_dir / "records.jsonl", "w", encoding="utf-8") as f:
+    reasons: dict[str, int] = {}
+    tmp = out_dir / ".records.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         for r in rows:
             counts[r["status"]] += 1
+            if r["reason"]:
+                key = r["reason"].split(":")[0] if r["status"] == "errored" else r["status"]
+                reasons[key] = reasons.get(key, 0) + 1
             if not r["kept"]:
                 counts["dropped"] += 1
                 continue
             f.write(json.dumps({"id": r["id"], "source": sources[r["id"]], "regenerated": r["status"] == "success",
                                 "messages": json.loads(r["messages"])}, ensure_ascii=False) + "\n")
-    stats = {"records": len(rows), **counts, "on_error": cfg.on_error, "temperature": cfg.temperature,
-             "max_new_tokens": cfg.max_new_tokens}
-    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2))
+    tmp.replace(out_dir / "records.jsonl")
+    with open(out_dir / "failures.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            if r["status"] != "success":
+                f.write(json.dumps({"id": r["id"], "status": r["status"], "reason": r["reason"],
+                                    "kept": r["kept"]}, ensure_ascii=False) + "\n")
+    stats = {"records": len(rows), **counts, "reasons": reasons, "engine": cfg.engine, "on_error": cfg.on_error,
+             "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "fingerprint": fp}
+    stats_path.write_text(json.dumps(stats, indent=2))
     return stats

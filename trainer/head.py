@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (DESIGN §4): one decoder layer over [embedding ; fused target features].
+"""The EAGLE-3 draft head (ARCHITECTURE.md §4): one decoder layer over [embedding ; fused target features].
 
 Parameter names are exactly the SGLang checkpoint's (fc, midlayer.*, norm, lm_head, d2t, t2d), so a
 state_dict is an export. The target's embedding is not part of the head: callers pass embeddings in.

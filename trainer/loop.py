@@ -40,7 +40,7 @@ def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
 
 
 def skip_shm_build() -> None:
-    """DeepSpeed compiles a C++ shared-memory op on first init on CPU (~50 s, STACK.md); gloo suffices."""
+    """DeepSpeed compiles a C++ shared-memory op on first init on CPU (~50 s, ARCHITECTURE.md §9); gloo suffices."""
     import deepspeed.comm.torch  # noqa: F401
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None

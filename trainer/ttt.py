@@ -1,4 +1,4 @@
-"""Training-time test (DESIGN §5) as pure functions: shifts, attention masks, positions, loss, tau.
+"""Training-time test (ARCHITECTURE.md §5) as pure functions: shifts, attention masks, positions, loss, tau.
 
 Step s, position i: the draft element pairs the feature standing in for target position i + s with the
 embedding of token i + 1 + s, is rotated at RoPE position i + s, and learns the target distribution at
@@ -58,7 +58,7 @@ def target_distribution(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple
 
 
 def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
-    """-sum_v mask * p * log_softmax(draft), averaged over all B*T positions (DESIGN §5.4)."""
+    """-sum_v mask * p * log_softmax(draft), averaged over all B*T positions (ARCHITECTURE.md §5)."""
     logp = torch.log_softmax(_wide(draft_logits), dim=-1)
     return -(position_mask.unsqueeze(-1) * target_p * logp).sum(-1).mean()
 

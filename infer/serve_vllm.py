@@ -1,0 +1,55 @@
+"""The `vllm` serve backend: the target with our exported head as its EAGLE-3 speculator, deployed through
+Ray Serve LLM (`LLMConfig` + `build_openai_app`), which runs vLLM with continuous batching behind its own
+OpenAI-compatible ingress. Same YAML as the `eagleray` backend where the meaning is the same (target, head,
+model_name, host, port, num_replicas, max_ongoing_requests, CPUs/GPUs per replica, speculative depth).
+
+On a CPU-only cluster Ray Serve LLM's default placement asks for a GPU and waits forever; a CPU bundle makes
+it pick vLLM's CPU platform. Its ingress deployment also wants a CPU, which a 2-core box does not have
+beside the engine: `vllm.ingress_num_cpus` (default 0) sets it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def speculative_config(head: Path | None, depth: int) -> dict | None:
+    """vLLM's EAGLE-3 settings for an exported head: a chain of `depth` draft tokens (vLLM drafts chains;
+    `method` must be given, vLLM only guesses it from a path containing 'eagle3')."""
+    if head is None:
+        return None
+    head = Path(head)
+    if not (head / "config.json").is_file():
+        raise ValueError(f"head: {head} has no config.json (an exported head folder: head_sglang/ or "
+                         f"head_speculators/)")
+    json.loads((head / "config.json").read_text())  # unreadable config: fail here, not in the engine
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": int(depth)}
+
+
+def llm_config(cfg) -> "object":
+    """ServeConfig -> ray.serve.llm.LLMConfig."""
+    from ray.serve.llm import LLMConfig
+
+    v = cfg.vllm
+    engine = {"dtype": v.dtype, "enforce_eager": v.enforce_eager, "max_num_seqs": v.max_num_seqs, "seed": 0,
+              "speculative_config": speculative_config(cfg.head, cfg.speculative.depth)}
+    if v.max_model_len:
+        engine["max_model_len"] = v.max_model_len
+    bundle = {"CPU": max(1.0, cfg.num_cpus_per_replica)}
+    if cfg.num_gpus_per_replica > 0:
+        bundle["GPU"] = cfg.num_gpus_per_replica
+    else:
+        engine["gpu_memory_utilization"] = v.gpu_memory_utilization
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(v.kv_cache_gb)} if cfg.num_gpus_per_replica == 0 else {}
+    return LLMConfig(model_loading_config={"model_id": cfg.model_name, "model_source": str(cfg.target)},
+                     engine_kwargs=engine, placement_group_config={"bundles": [bundle]},
+                     deployment_config={"num_replicas": cfg.num_replicas,
+                                        "max_ongoing_requests": cfg.max_ongoing_requests},
+                     runtime_env={"env_vars": env} if env else None)
+
+
+def build_vllm_application(cfg):
+    from ray.serve.llm import build_openai_app
+
+    return build_openai_app({"llm_configs": [llm_config(cfg)],
+                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": cfg.vllm.ingress_num_cpus}}})

@@ -1,0 +1,87 @@
+"""Regeneration engines side by side: HF `generate` (left-padded batches) vs vLLM (continuous batching),
+the same prompts, the same chat template, T=0, one process. The pipeline's own engine classes are used
+(pipeline/regenerate.py), so this measures what `regenerate.engine` switches between.
+
+    python tools/bench_regenerate.py --target runs/demo/target [--prompts FILE] [--n 64]
+        [--max-new-tokens 128] [--hf-batch 16] [--threads 2]
+
+Prompts: the first user turn of the first n records of FILE (any corpus the ingest stage reads;
+default LIMA from ../shared/data). Prints one JSON object last: hf_tokens_per_s, vllm_tokens_per_s,
+vllm_vs_hf, same_tokens_rate (share of prompts with identical answer token ids), token counts and load times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.formats import load_conversations
+
+SHARED = Path(os.environ.get("EAGLERAY_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def first_turns(path: Path, n: int) -> list[list[dict]]:
+    convs, _ = load_conversations(path)
+    out = []
+    for c in convs:
+        user = next((m for m in c if m["role"] == "user"), None)
+        if user is not None:
+            out.append([{"role": "user", "content": user["content"]}])
+        if len(out) == n:
+            break
+    return out
+
+
+def timed(engine, prompts: list[list[int]], batch: int) -> tuple[list[list[int]], float]:
+    t0 = time.perf_counter()
+    out = []
+    for s in range(0, len(prompts), batch):
+        out += engine.generate(prompts[s: s + batch], seed=0)
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    from pipeline.regenerate import HFRegenerator, VllmRegenerator
+    from pipeline.schema import Regenerate
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
+    ap.add_argument("--prompts", type=Path, default=SHARED / "chat" / "lima_1029.ultrachat.jsonl")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = Regenerate(enabled=True, max_new_tokens=args.max_new_tokens, batch_size=args.hf_batch,
+                     vllm={"max_model_len": args.max_model_len, "max_num_seqs": args.n}).model_dump()
+    t0 = time.perf_counter()
+    hf = HFRegenerator(str(args.target), cfg)
+    hf_load = time.perf_counter() - t0
+    convs = first_turns(args.prompts, args.n)
+    prompts = [p for p in (hf.prompt_ids(c) for c in convs) if len(p) + args.max_new_tokens <= hf.max_len]
+    hf_out, hf_s = timed(hf, prompts, args.hf_batch)
+    del hf
+    t0 = time.perf_counter()
+    vl = VllmRegenerator(str(args.target), cfg)
+    vl_load = time.perf_counter() - t0
+    vl_out, vl_s = timed(vl, prompts, len(prompts))
+    hf_tok, vl_tok = sum(map(len, hf_out)), sum(map(len, vl_out))
+    result = {"target": str(args.target), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "hf_batch": args.hf_batch, "hf_tokens": hf_tok, "vllm_tokens": vl_tok,
+              "hf_s": round(hf_s, 2), "vllm_s": round(vl_s, 2),
+              "hf_tokens_per_s": round(hf_tok / hf_s, 1), "vllm_tokens_per_s": round(vl_tok / vl_s, 1),
+              "vllm_vs_hf": round((vl_tok / vl_s) / (hf_tok / hf_s), 3),
+              "same_tokens_rate": round(sum(a == b for a, b in zip(hf_out, vl_out)) / max(1, len(prompts)), 4),
+              "hf_load_s": round(hf_load, 1), "vllm_load_s": round(vl_load, 1)}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: the guard is required
+    main()
