@@ -53,3 +53,29 @@ def build_vllm_application(cfg):
 
     return build_openai_app({"llm_configs": [llm_config(cfg)],
                              "ingress_deployment_config": {"ray_actor_options": {"num_cpus": cfg.vllm.ingress_num_cpus}}})
+
+
+def engine_spec_counters(model_name: str | None = None) -> dict:
+    """vLLM's speculative counters as Ray Serve LLM exports them on every node's Prometheus port (it logs
+    engine metrics through Ray): drafts, draft tokens, accepted tokens, summed over replicas (of one model
+    when model_name is given) -> also tau = 1 + accepted / drafts. Zeros before the first report (~5 s)."""
+    import re
+    import urllib.request
+
+    import ray
+
+    names = {"spec_decode_num_drafts": "drafts", "spec_decode_num_draft_tokens": "draft_tokens",
+             "spec_decode_num_accepted_tokens": "accepted"}
+    out = {v: 0.0 for v in names.values()}
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            m = re.match(r"^\w*vllm[:_](spec_decode_num_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+            if m and m.group(1) in names and (model_name is None or f'"{model_name}"' in (m.group(2) or "")):
+                out[names[m.group(1)]] += float(m.group(3))
+    out["tau"] = round(1 + out["accepted"] / out["drafts"], 4) if out["drafts"] else None
+    return out

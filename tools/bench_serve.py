@@ -1,32 +1,35 @@
-"""Serving benchmark: a speculative and a vanilla deployment of the same target, measured in one run.
+"""Serving benchmark: each backend (eagleray, vllm) deployed speculative and vanilla, measured in one run.
 
-    python tools/bench_serve.py [--target runs/demo/target] [--head runs/demo/head/head_sglang]
-                                [--requests-per-level 24] [--max-tokens 64]
+    python tools/bench_serve.py [--backends eagleray,vllm] [--target runs/demo/target]
+        [--head-dir runs/demo/head] [--requests-per-level 24] [--max-tokens 64] [--levels 1,4,16]
 
-Both apps run on one local Ray Serve (127.0.0.1), one replica each; at concurrency 1, 4 and 16 the
-same chat requests (MT-Bench / GSM8K prompts, T=0) go to the speculative app, then to the vanilla one,
-through the real `openai` client. Loopback only, bounded request counts. Last line: one JSON object.
+One deployment at a time on a local Ray Serve (127.0.0.1), so idle replicas take no cores from the one
+measured: `eagleray` (our tree decoder, batch 1 per replica, head_sglang/) and `vllm` (Ray Serve LLM +
+vLLM's CPU build, continuous batching, head_speculators/ as an EAGLE-3 chain of `--k` tokens), each with
+its head and without. At every concurrency level the same chat requests (MT-Bench / GSM8K prompts, T=0)
+go through the real `openai` client. Last line: one JSON object with requests/s, tokens/s, p50/p99 per
+deployment and level, and the ratios vllm_vs_eagleray_c16 (throughput, both speculative) and
+<backend>_spec_vs_vanilla_c<level>.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infer.prompts import default_prompts  # noqa: E402
-from infer.serve import ServeConfig, build_application  # noqa: E402
-from pipeline.cluster import ensure_ray  # noqa: E402
+from infer.prompts import default_prompts
+from infer.serve import ServeConfig, start
+
+HEADS = {"eagleray": "head_sglang", "vllm": "head_speculators"}
 
 
 def level(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
     import openai
 
-    c = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    c = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=900)
 
     def one(p):
         t0 = time.perf_counter()
@@ -43,34 +46,51 @@ def level(base_url: str, model: str, prompts: list[str], concurrency: int, max_t
             "p50_s": round(statistics.median(lat), 3), "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3)}
 
 
+def deployment(backend: str, target: Path, head: Path | None, port: int, k: int, threads: int) -> ServeConfig:
+    name = f"{backend}-{'spec' if head else 'vanilla'}"
+    common = dict(backend=backend, target=target, head=head, model_name=name, app_name=name, port=port,
+                  max_ongoing_requests=64, max_tokens_limit=2048)
+    if backend == "vllm":
+        return ServeConfig(**common, num_cpus_per_replica=1, speculative={"mode": "chain", "depth": k},
+                           vllm={"max_model_len": 2048, "dtype": "float32", "max_num_seqs": 64})
+    return ServeConfig(**common, num_cpus_per_replica=0.5, threads_per_replica=threads)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="eagleray,vllm")
     ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
-    ap.add_argument("--head", type=Path, default=Path("runs/demo/head/head_sglang"))
+    ap.add_argument("--head-dir", type=Path, default=Path("runs/demo/head"))
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--requests-per-level", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--levels", default="1,4,16")
+    ap.add_argument("--k", type=int, default=3, help="vLLM draft tokens per step (a chain)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of an eagleray replica")
     args = ap.parse_args(argv)
     from ray import serve
 
-    ensure_ray()
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    apps = {}
-    for name, head in (("spec", args.head), ("vanilla", None)):
-        cfg = ServeConfig(target=args.target, head=head, model_name=name, port=args.port, num_cpus_per_replica=0.5,
-                          threads_per_replica=2, max_ongoing_requests=64)
-        serve.run(build_application(cfg), name=name, route_prefix=f"/{name}", blocking=False)
-        apps[name] = f"http://127.0.0.1:{args.port}/{name}/v1"
+    levels = [int(x) for x in args.levels.split(",")]
     prompts = default_prompts(None, args.requests_per_level)
-    for name, url in apps.items():  # warm-up
-        level(url, name, prompts[:2], 1, 8)
-    result = {"spec": {}, "vanilla": {}, "requests_per_level": len(prompts), "max_tokens": args.max_tokens}
-    for conc in (1, 4, 16):
-        for name, url in apps.items():
-            result[name][f"c{conc}"] = level(url, name, prompts, conc, args.max_tokens)
-        result[f"speedup_c{conc}"] = round(result["spec"][f"c{conc}"]["requests_per_s"]
-                                           / result["vanilla"][f"c{conc}"]["requests_per_s"], 3)
-    serve.shutdown()
+    result: dict = {"requests_per_level": len(prompts), "max_tokens": args.max_tokens, "k_vllm": args.k}
+    for backend in args.backends.split(","):
+        for head in (args.head_dir / HEADS[backend], None):
+            cfg = deployment(backend, args.target, head, args.port, args.k, args.threads)
+            t0 = time.perf_counter()
+            url = start(cfg) + "/v1"
+            level(url, cfg.model_name, prompts[:2], 1, 8)  # warm-up
+            rec = {"startup_s": round(time.perf_counter() - t0, 1)}
+            for conc in levels:
+                rec[f"c{conc}"] = level(url, cfg.model_name, prompts, conc, args.max_tokens)
+            result[cfg.model_name] = rec
+            serve.shutdown()
+        for conc in levels:
+            spec, van = result[f"{backend}-spec"][f"c{conc}"], result[f"{backend}-vanilla"][f"c{conc}"]
+            result[f"{backend}_spec_vs_vanilla_c{conc}"] = round(spec["tokens_per_s"] / van["tokens_per_s"], 3)
+    top = max(levels)
+    if "vllm-spec" in result and "eagleray-spec" in result:
+        result[f"vllm_vs_eagleray_c{top}"] = round(result["vllm-spec"][f"c{top}"]["tokens_per_s"]
+                                                   / result["eagleray-spec"][f"c{top}"]["tokens_per_s"], 3)
     print(json.dumps(result))
     return result
 
