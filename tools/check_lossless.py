@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infer.generate import EagleGenerator, SpecSettings  # noqa: E402
-from infer.prompts import chat_ids, default_prompts, prompt_file  # noqa: E402
+from infer.generate import EagleGenerator, SpecSettings
+from infer.benchmarks import chat_ids, default_prompts, prompt_file
 
 
 def main(argv=None) -> dict:

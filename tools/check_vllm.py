@@ -31,8 +31,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from infer.generate import EagleGenerator, SpecSettings  # noqa: E402
-from infer.prompts import chat_ids, default_prompts, prompt_file  # noqa: E402
+from infer.generate import EagleGenerator, SpecSettings
+from infer.benchmarks import chat_ids, default_prompts, prompt_file
 
 FORMAT_DIRS = {"sglang": "head_sglang", "speculators": "head_speculators"}
 

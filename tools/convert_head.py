@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.export import FORMATS, export_head, import_head  # noqa: E402
+from trainer.export import FORMATS, export_head, import_head
 
 
 def main(argv=None) -> Path:

@@ -5,14 +5,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infer.generate import EagleGenerator, SpecSettings  # noqa: E402
-from infer.prompts import chat_ids  # noqa: E402
+from infer.generate import EagleGenerator, SpecSettings
+from infer.benchmarks import chat_ids
 
 
 def main(argv=None) -> None:

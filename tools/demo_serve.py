@@ -6,11 +6,9 @@ client, print the answer and its tau, shut down.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infer.serve import ServeConfig, start  # noqa: E402
-from pipeline.config import load_or_exit  # noqa: E402
+from infer.serve import ServeConfig, start
+from pipeline.config import load_or_exit
 
 
 def main(argv=None) -> None:

@@ -16,15 +16,13 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.config import ExistingPath, StrictModel, load_or_exit  # noqa: E402
-from pipeline.formats import load_conversations  # noqa: E402
+from pipeline.config import ExistingPath, StrictModel, load_or_exit
+from pipeline.formats import load_conversations
 
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 # The assistant turn's content and its end-of-turn token sit inside {% generation %}, so the mask that
