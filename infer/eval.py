@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from infer.generate import SpecSettings
 from pipeline.cluster import ensure_ray
 from pipeline.config import ExistingPath, StrictModel, config_arguments, errors_exit, load_or_exit
 
@@ -23,14 +24,6 @@ class Bench(StrictModel):
     path: ExistingPath          # question.jsonl / test.jsonl / the ceval folder / a jsonl of prompts
     limit: int | None = Field(None, gt=0)
     few_shot: int = Field(0, ge=0)  # C-Eval dev examples in the prompt
-
-
-class Decode(StrictModel):
-    top_k: int = Field(4, gt=0)
-    depth: int = Field(5, gt=0)
-    total_tokens: int = Field(16, gt=1)
-    max_new_tokens: int = Field(128, gt=0)
-    temperature: float = Field(0.0, ge=0)
 
 
 class Sweep(StrictModel):
@@ -46,7 +39,7 @@ class EvalConfig(StrictModel):
     head: ExistingPath
     out_dir: Path = Path("runs/eval")
     benchmarks: list[Bench]
-    decode: Decode = Decode()
+    decode: SpecSettings = SpecSettings()  # mode tree (or chain); vanilla runs beside it with the same limits
     sweep: Sweep = Sweep()
     num_actors: int = Field(1, gt=0)
     cpus_per_actor: float = Field(1, gt=0)
@@ -68,12 +61,9 @@ class EvalWorker:
         self.gen = EagleGenerator.from_folders(target, head, device="cuda" if use_gpu else "cpu")
 
     def run(self, bench: str, item: dict, settings: dict) -> list[dict]:
-        from infer.generate import SpecSettings
-
         tok, recs, history = self.gen.tokenizer, [], []
-        spec_s = SpecSettings(mode="tree", **settings)
-        van_s = SpecSettings(mode="vanilla", **{k: v for k, v in settings.items()
-                                                 if k in ("max_new_tokens", "temperature")})
+        spec_s = SpecSettings(**settings)
+        van_s = spec_s.model_copy(update={"mode": "vanilla"})
         for t, question in enumerate(item["turns"]):
             history.append({"role": "user", "content": question})
             ids = tok.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]

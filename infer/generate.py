@@ -16,28 +16,34 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from pydantic import Field
 
 from infer.draft import DraftRunner
 from pipeline.target import default_aux_layers, num_layers
 from infer.target import TargetRunner, compact_cache
 from infer.tree import accept_greedy, accept_sampling, compaction_indices
+from pipeline.config import StrictModel
 
 
-@dataclass
-class SpecSettings:
-    """Tree shape in SGLang's convention (docs/ARCHITECTURE.md "Tree parameters"): `depth` = draft levels
-    (SGLang --speculative-num-steps), `total_tokens` = nodes verified per round, the root included
-    (--speculative-num-draft-tokens). Official EAGLE's (top_k, depth, total_token) = our
-    (top_k, depth + 1, total_token + 1): use `from_eagle`."""
+class TreeShape(StrictModel):
+    """What a deployment fixes (serve's `speculative:` section). `depth` = draft levels (SGLang
+    --speculative-num-steps), `total_tokens` = nodes verified per round, the root included
+    (--speculative-num-draft-tokens); docs/ARCHITECTURE.md §6. Official EAGLE's (top_k, depth,
+    total_token) = our (top_k, depth + 1, total_token + 1): `SpecSettings.from_eagle`."""
     mode: Literal["tree", "chain", "vanilla"] = "tree"
-    top_k: int = 4
-    depth: int = 5
-    total_tokens: int = 16
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
+    top_k: int = Field(4, gt=0)
+    depth: int = Field(5, gt=0)
+    total_tokens: int = Field(16, gt=1)
+
+
+class SpecSettings(TreeShape):
+    """One decode: the tree shape plus what each request chooses (eval's `decode:` section, the tools'
+    flags and the serve handlers all build this one model)."""
+    max_new_tokens: int = Field(128, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = []
 
     @classmethod
     def from_eagle(cls, top_k: int, depth: int, total_token: int, **kw) -> "SpecSettings":

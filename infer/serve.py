@@ -17,15 +17,9 @@ from typing import Literal
 from fastapi import Request
 from pydantic import BaseModel, Field
 
+from infer.generate import TreeShape
 from pipeline.cluster import ensure_ray
 from pipeline.config import ExistingPath, StrictModel, config_arguments, load_or_exit
-
-
-class Speculative(StrictModel):
-    mode: Literal["tree", "chain", "vanilla"] = "tree"
-    top_k: int = Field(4, gt=0)
-    depth: int = Field(5, gt=0)
-    total_tokens: int = Field(16, gt=1)
 
 
 class VllmServe(StrictModel):
@@ -57,7 +51,7 @@ class ServeConfig(StrictModel):
     max_tokens_limit: int = Field(512, gt=0)
     default_max_tokens: int = Field(128, gt=0)
     request_timeout_s: float = Field(120, gt=0)
-    speculative: Speculative = Speculative()   # vllm backend: a chain of `depth` draft tokens
+    speculative: TreeShape = TreeShape()       # vllm backend: a chain of `depth` draft tokens
     vllm: VllmServe = VllmServe()
     ray_address: str | None = None
 
@@ -157,9 +151,8 @@ def build_app(cfg: ServeConfig):
                 raise RequestError(400, f"prompt ({prompt_len} tokens) + max_tokens ({n}) exceeds the context "
                                         f"length {self.context}", "messages" if isinstance(req, ChatRequest) else "prompt")
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-            sp = self.cfg.speculative
-            return SpecSettings(mode=sp.mode, top_k=sp.top_k, depth=sp.depth, total_tokens=sp.total_tokens,
-                                max_new_tokens=n, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=stop)
+            return SpecSettings(**self.cfg.speculative.model_dump(), max_new_tokens=n, temperature=req.temperature,
+                                top_p=req.top_p, seed=req.seed, stop=stop)
 
         def _chat_ids(self, req: ChatRequest) -> list[int]:
             if not req.messages:

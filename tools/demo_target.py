@@ -270,7 +270,11 @@ def main(argv: list[str] | None = None) -> dict:
         overrides.append("corpus=" + json.dumps(args.corpus))
     recipe = load_or_exit(TargetRecipe, args.config, overrides)
     previous = recipe.out / "report.json"
-    if args.reuse and previous.is_file() and json.loads(previous.read_text()).get("recipe") == recipe_key(recipe):
+    old = json.loads(previous.read_text()) if previous.is_file() else {}
+    if args.reuse and old.get("hit_time_cap"):  # a target cut short (a busy machine) is not the recipe's target
+        print(f"retraining {recipe.out}: its previous training stopped at max_minutes after "
+              f"{old.get('steps_run')} steps", flush=True)
+    if args.reuse and old.get("recipe") == recipe_key(recipe) and not old.get("hit_time_cap"):
         report = json.loads(previous.read_text())
         report["samples"] = json.loads((recipe.out / "samples.json").read_text())[:3]
         print(f"reusing the target in {recipe.out} (same recipe; delete the folder to retrain)")
@@ -281,6 +285,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"{report['heldout_prompts']} held-out prompts, trained {report['train_s']:.0f}s")
     for s in report["samples"]:
         print(f"  Q: {s['prompt'][:100]!r}\n  A: {s['completion'][:200]!r}")
+    if report.get("hit_time_cap"):
+        print(f"WARNING: training stopped at max_minutes={recipe.max_minutes} after {report['steps_run']} of "
+              f"{report.get('recipe', {}).get('resolved', {}).get('steps')} steps (a busy machine?): this target is undertrained; rerun to retrain it, or "
+              f"raise max_minutes", flush=True)
     print(f"saved to {recipe.out}")
     return report
 
