@@ -104,12 +104,13 @@ class EagleGenerator:
 
     @classmethod
     def from_folders(cls, target_dir: str | Path, head_dir: str | Path | None, dtype=torch.float32, device="cpu"):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
+        from pipeline.target import load_model
         from trainer.export import import_head
         from trainer.head import Eagle3Head
 
-        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+        target, _ = load_model(target_dir, dtype, device.startswith("cuda"))
         tok = AutoTokenizer.from_pretrained(target_dir)
         n_layers = num_layers(target.config)
         head, aux = None, None

@@ -18,20 +18,10 @@ import ray
 import torch
 
 from pipeline.hidden import StorageOverflow, capture_hidden, check_logit_rule, to_bytes
-from pipeline.target import resolve_aux_layers, text_config
+from pipeline.target import load_model, resolve_aux_layers, text_config
 from pipeline.schema import Capture
 from pipeline.shards import (MANIFEST, rows_digest, shard_meta, shard_name, shard_ranges, signature_mismatch,
                              target_signature, write_shard)
-
-
-def load_target(target: str, model_dtype: str, use_gpu: bool):
-    from transformers import AutoModelForCausalLM
-
-    device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(
-        model_dtype, torch.bfloat16 if device == "cuda" else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
-    return model, device
 
 
 def micro_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -88,7 +78,7 @@ class CaptureWorker:
         self.cfg = Capture(**cfg)
         if self.cfg.threads_per_actor:
             torch.set_num_threads(self.cfg.threads_per_actor)
-        self.model, self.device = load_target(target, self.cfg.model_dtype, self.cfg.num_gpus_per_actor > 0)
+        self.model, self.device = load_model(target, self.cfg.model_dtype, self.cfg.num_gpus_per_actor > 0)
         check_logit_rule(self.model, signature["aux_layer_ids"])
         self.pad_id = self.model.config.pad_token_id or 0
         self.tokens = pq.read_table(tokens_path, columns=["id", "input_ids", "loss_mask", "n_tokens"])

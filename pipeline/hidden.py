@@ -10,9 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.target import decoder_layers
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from pipeline.target import TORCH_DTYPES, decoder_layers
 
 
 @torch.no_grad()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pipeline.capture import capture_rows, load_target, make_signature
+from pipeline.capture import capture_rows, make_signature
+from pipeline.target import load_model
 from pipeline.shards import write_shard
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -32,7 +33,7 @@ def estimate_storage(cfg, tokens_path: Path, sample_rows: int = 32) -> dict:
     per_token_raw = 4 * sig["hidden_size"] * ITEMSIZE[cfg.capture.dtype]
     step = max(1, table.num_rows // sample_rows)
     rows = table.take(list(range(0, table.num_rows, step))[:sample_rows]).to_pylist()
-    model, device = load_target(str(cfg.target), cfg.capture.model_dtype, cfg.capture.num_gpus_per_actor > 0)
+    model, device = load_model(str(cfg.target), cfg.capture.model_dtype, cfg.capture.num_gpus_per_actor > 0)
     sample, _ = capture_rows(model, device, rows, sig["aux_layer_ids"], cfg.capture.dtype,
                              cfg.capture.batch_tokens, model.config.pad_token_id or 0)
     # Scale the sample to full-size shards so the fixed per-file overhead is counted once per shard.

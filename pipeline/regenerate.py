@@ -141,11 +141,11 @@ class TurnRegenerator:
 class HFRegenerator(TurnRegenerator):
     def __init__(self, target: str, cfg: dict):
         super().__init__(target, cfg)
-        from pipeline.capture import load_target
+        from pipeline.target import load_model
 
         if self.cfg.threads_per_actor:
             torch.set_num_threads(self.cfg.threads_per_actor)
-        self.model, self.device = load_target(target, "auto", self.cfg.num_gpus_per_actor > 0)
+        self.model, self.device = load_model(target, "auto", self.cfg.num_gpus_per_actor > 0)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:

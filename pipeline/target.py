@@ -22,6 +22,21 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# Storage / compute dtype names used in every YAML.
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_model(target, dtype: str | torch.dtype = "auto", use_gpu: bool = False):
+    """The one target loader: AutoModelForCausalLM from a folder, eval mode, on cuda when asked and
+    present. dtype "auto": bf16 on GPU, fp32 on CPU (CPUs here have no fast bf16). -> (model, device)."""
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
+    if not isinstance(dtype, torch.dtype):
+        dtype = TORCH_DTYPES.get(dtype, torch.bfloat16 if device == "cuda" else torch.float32)
+    return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval(), device
+
+
 # Layer types transformers names in `config.layer_types` that a 4D verify mask can express.
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 MASKABLE = (FULL, SLIDING, CHUNKED)

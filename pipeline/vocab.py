@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import ray
 import torch
 from safetensors.torch import load_file, save_file

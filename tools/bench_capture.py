@@ -17,7 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.capture import capture_rows, load_target, make_signature, micro_batches
+from pipeline.capture import capture_rows, make_signature, micro_batches
+from pipeline.target import load_model
 from pipeline.plan import estimate_storage
 from pipeline.schema import PipelineConfig
 from pipeline.shards import read_manifest, write_shard
@@ -54,7 +55,7 @@ def main(argv=None) -> dict:
         "target": args.target})
     rows = pq.read_table(data / "tokenize/tokens.parquet").slice(0, args.rows).to_pylist()
     tokens = sum(len(r["input_ids"]) for r in rows)
-    model, device = load_target(args.target, cfg.capture.model_dtype, False)
+    model, device = load_model(args.target, cfg.capture.model_dtype, False)
     pad = model.config.pad_token_id or 0
     sig = make_signature(Path(args.target), cfg.capture, cfg.tokenize.max_length)
     fwd, cap = [], []
