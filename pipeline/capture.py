@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from pipeline.hidden import StorageOverflow, capture_hidden, check_logit_rule, to_bytes
+from pipeline.hidden import StorageOverflow, bytes_per_token, capture_hidden, check_logit_rule, to_bytes
 from pipeline.target import load_model, resolve_aux_layers, text_config
 from pipeline.schema import Capture
 from pipeline.shards import (MANIFEST, rows_digest, shard_meta, shard_name, shard_ranges, signature_mismatch,
@@ -59,7 +59,7 @@ def capture_rows(model, device: str, rows: list[dict], layer_ids: list[int], dty
         fwd_s += time.perf_counter() - t0
         for j, i in enumerate(group):
             try:
-                aux_b[i] = to_bytes(aux[j, : lengths[i]], dtype)
+                aux_b[i] = to_bytes(aux[j, : lengths[i]], dtype, groups=3)
                 last_b[i] = to_bytes(last[j, : lengths[i]], dtype)
             except StorageOverflow as e:
                 raise StorageOverflow(f"capture row {rows[i]['id']}: {e}") from None
@@ -166,7 +166,8 @@ def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, ma
         shards.append({"file": path.name, "rows": meta["rows"], "tokens": meta["tokens"],
                        "bytes": path.stat().st_size})
     rows, toks = sum(s["rows"] for s in shards), sum(s["tokens"] for s in shards)
-    width = 4 * signature["hidden_size"] * (2 if cfg.dtype != "fp32" else 4)
+    h = signature["hidden_size"]
+    width = bytes_per_token(cfg.dtype, 3 * h, 3) + bytes_per_token(cfg.dtype, h)
     manifest = dict(signature, target=str(Path(target).resolve()), rows=rows, tokens=toks,
                     bytes=sum(s["bytes"] for s in shards), raw_hidden_bytes=toks * width, shards=shards,
                     pipeline_config=pipeline_config)

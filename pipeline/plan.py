@@ -1,6 +1,6 @@
 """Storage planner: bytes per token and total bytes of a capture run, before running it.
 
-Raw size is exact arithmetic ((3H + H) x bytes per value per token, ARCHITECTURE.md §2). The on-disk estimate
+Raw size is exact arithmetic ((3H + H) x bytes per value per token, fp8 scales included; ARCHITECTURE.md §2). The on-disk estimate
 captures an evenly spread sample of the real sequences in this process, writes it as a shard with the
 run's own settings, and scales its measured bytes per token to the whole token count.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.capture import capture_rows, make_signature
+from pipeline.hidden import bytes_per_token
 from pipeline.target import load_model
 from pipeline.shards import write_shard
 
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def human(n: float) -> str:
@@ -30,7 +30,8 @@ def estimate_storage(cfg, tokens_path: Path, sample_rows: int = 32) -> dict:
     table = pq.read_table(tokens_path, columns=["id", "input_ids", "loss_mask", "n_tokens"])
     tokens = int(sum(table.column("n_tokens").to_pylist()))
     sig = make_signature(cfg.target, cfg.capture, cfg.tokenize.max_length)
-    per_token_raw = 4 * sig["hidden_size"] * ITEMSIZE[cfg.capture.dtype]
+    h = sig["hidden_size"]
+    per_token_raw = bytes_per_token(cfg.capture.dtype, 3 * h, 3) + bytes_per_token(cfg.capture.dtype, h)
     step = max(1, table.num_rows // sample_rows)
     rows = table.take(list(range(0, table.num_rows, step))[:sample_rows]).to_pylist()
     model, device = load_model(str(cfg.target), cfg.capture.model_dtype, cfg.capture.num_gpus_per_actor > 0)

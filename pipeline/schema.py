@@ -78,7 +78,7 @@ class Tokenize(StrictModel):
 class Capture(StrictModel):
     enabled: bool = True
     layer_ids: list[int] | None = None  # outputs of these layers; default [1, N//2-1, N-4]
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # fp8: e4m3 + an fp32 scale per token and layer
     rows_per_shard: int = Field(256, gt=0)
     batch_tokens: int = Field(8192, gt=0)  # micro-batch size in (padded) tokens per forward
     num_actors: int = Field(1, gt=0)

@@ -107,3 +107,24 @@ def test_plan_estimate_close_to_actual(pipeline_run):
     assert plan["tokens"] == man["tokens"]
     assert plan["raw_total_bytes"] == man["raw_hidden_bytes"] == man["tokens"] * 4 * 64 * 2
     assert abs(plan["est_disk_total_bytes"] - man["bytes"]) / man["bytes"] < 0.10
+
+
+def test_fp8_codec_round_trip_and_size():
+    """fp8 shards: e4m3 with an fp32 scale per token and layer. Each value comes back within e4m3's
+    relative step (2^-4) plus the scale's subnormal step; a layer with small values keeps its precision
+    next to a layer of large ones; the row costs D + 4 x groups bytes (~0.5x bf16)."""
+    from pipeline.hidden import bytes_per_token, to_bytes
+
+    torch.manual_seed(0)
+    h = 64
+    x = torch.cat([torch.randn(10, h) * 0.01, torch.randn(10, h), torch.randn(10, h) * 300], dim=-1)
+    buf = to_bytes(x, "fp8", groups=3)
+    assert len(buf) == 10 * bytes_per_token("fp8", 3 * h, 3) == 10 * (3 * h + 12)
+    assert bytes_per_token("fp8", 3 * 576, 3) / bytes_per_token("bf16", 3 * 576) < 0.51  # SmolLM2 width
+    back = from_bytes(buf, "fp8", 3 * h, groups=3)
+    scale = x.view(10, 3, h).abs().amax(-1, keepdim=True).expand(10, 3, h).reshape(10, 3 * h) / 448
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + scale * 2 ** -9 + 1e-12).all()
+    low = slice(0, h)  # the 0.01-scale layer: relative error stays small despite the 300-scale one
+    assert ((back[:, low] - x[:, low]).abs() / x[:, low].abs().clamp(min=1e-4)).median() < 0.04
+    one = from_bytes(to_bytes(x, "fp8"), "fp8", 3 * h)  # one scale for the whole row: the small layer is lost
+    assert ((one[:, low] - x[:, low]).abs() / x[:, low].abs().clamp(min=1e-4)).median() > 0.08

@@ -120,13 +120,13 @@ def collate(rows: list[dict], dtype: str, target_hidden: int) -> dict[str, torch
     b = len(rows)
     ids = torch.zeros((b, t), dtype=torch.long)
     mask = torch.zeros((b, t), dtype=torch.long)
-    first_aux = from_bytes(rows[0]["aux_hidden"], dtype, 3 * target_hidden)
+    first_aux = from_bytes(rows[0]["aux_hidden"], dtype, 3 * target_hidden, groups=3)
     aux = torch.zeros((b, t, 3 * target_hidden), dtype=first_aux.dtype)
     last = torch.zeros((b, t, target_hidden), dtype=first_aux.dtype)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.from_numpy(np.asarray(r["input_ids"], dtype=np.int64))
         mask[i, :n] = torch.from_numpy(np.asarray(r["loss_mask"], dtype=np.int64))
-        aux[i, :n] = from_bytes(r["aux_hidden"], dtype, 3 * target_hidden)
+        aux[i, :n] = from_bytes(r["aux_hidden"], dtype, 3 * target_hidden, groups=3)
         last[i, :n] = from_bytes(r["last_hidden"], dtype, target_hidden)
     return {"input_ids": ids, "loss_mask": mask, "aux": aux, "last": last}
