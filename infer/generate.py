@@ -61,6 +61,21 @@ class SpecStats:
     seconds: float = 0.0
     eos_in_tree: bool = False       # EOS came from an accepted draft node, not the bonus
     cut_mid_round: bool = False     # max_new_tokens ended generation inside a round's tokens
+    # Seconds per part summed over rounds (prefill excluded): draft (tree growth + ingest), verify (the
+    # target forward), accept (acceptance + KV compaction), other (everything else in the loop).
+    split: dict = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "accept": 0.0, "other": 0.0})
+    _round: dict = field(default_factory=dict)
+
+    def begin_round(self) -> None:
+        self._round = {}
+
+    def add_split(self, part: str, seconds: float) -> None:
+        self.split[part] += seconds
+        self._round[part] = self._round.get(part, 0.0) + seconds
+
+    def round_seconds(self) -> float:
+        """Seconds the current round spent in the measured parts."""
+        return sum(self._round.values())
 
     @property
     def tau(self) -> float:
@@ -171,38 +186,57 @@ class EagleGenerator:
             nxt = torch.cat([prompt[1:], torch.tensor(out[-1:])])
             hid, dlog = self.draft.ingest(aux, nxt.to(aux.device), torch.arange(plen, device=aux.device))
         while reason is None:
+            t_round = time.perf_counter()
             root = out[-1]
             if mode == "vanilla":
+                stats.begin_round()
                 logits, _ = self.target.forward(torch.tensor([root]), torch.tensor([plen]), cache)
+                stats.add_split("verify", time.perf_counter() - t_round)
                 plen += 1
                 stats.rounds += 1
                 stats.accepted.append(0)
                 out, reason = self._finish(out + [self._pick(logits[-1], s, gen)], s)
+                stats.split["other"] += time.perf_counter() - t_round - stats.round_seconds()
                 yield self._snapshot(out, stats, reason, t0)
                 continue
-            k, total = (1, depth + 1) if mode == "chain" else (s.top_k, s.total_tokens)
-            tree = self.draft.build_tree(root, hid, dlog, plen - 1, k, depth, total)
-            logits, aux = self.target.forward(tree.tokens, tree.positions(plen), cache,
-                                              self.target.verify_masks(tree, plen))
-            if s.temperature <= 0:
-                accepted, bonus = accept_greedy(tree, logits.argmax(-1))
-            else:
-                accepted, bonus = accept_sampling(tree, sampling_probs(logits, s.temperature, s.top_p), gen)
-            src, dst = compaction_indices(plen, accepted)
-            compact_cache(cache, src, dst, plen + len(accepted))
-            new = tree.tokens[accepted[1:]].tolist() + [bonus]
-            stats.rounds += 1
-            stats.accepted.append(len(accepted) - 1)
+            accepted, new, aux = self._round(root, hid, dlog, plen, cache, s, mode, depth, gen, stats)
             before = len(out)
             out, reason = self._finish(out + new, s)
             stats.eos_in_tree |= reason == "eos" and len(out) - before < len(new)
             stats.cut_mid_round |= reason == "length" and len(out) - before < len(new)
             if reason is None:
+                t_ingest = time.perf_counter()
                 idx = torch.tensor(accepted, device=aux.device)
                 hid, dlog = self.draft.ingest(aux[idx], torch.tensor(new, device=aux.device),
                                               plen + torch.arange(len(accepted), device=aux.device))
                 plen += len(accepted)
+                stats.add_split("draft", time.perf_counter() - t_ingest)
+            stats.split["other"] += time.perf_counter() - t_round - stats.round_seconds()
             yield self._snapshot(out, stats, reason, t0)
+
+    def _round(self, root: int, hid, dlog, plen: int, cache, s: SpecSettings, mode: str, depth: int, gen,
+               stats: "SpecStats") -> tuple[list[int], list[int], torch.Tensor]:
+        """One speculative round: draft a tree, verify it in one target forward, accept, compact the
+        target's cache. -> (accepted node indices, new tokens incl. the bonus, the verify's aux states)."""
+        t0 = time.perf_counter()
+        k, total = (1, depth + 1) if mode == "chain" else (s.top_k, s.total_tokens)
+        tree = self.draft.build_tree(root, hid, dlog, plen - 1, k, depth, total)
+        t1 = time.perf_counter()
+        logits, aux = self.target.forward(tree.tokens, tree.positions(plen), cache, self.target.verify_masks(tree, plen))
+        t2 = time.perf_counter()
+        if s.temperature <= 0:
+            accepted, bonus = accept_greedy(tree, logits.argmax(-1))
+        else:
+            accepted, bonus = accept_sampling(tree, sampling_probs(logits, s.temperature, s.top_p), gen)
+        src, dst = compaction_indices(plen, accepted)
+        compact_cache(cache, src, dst, plen + len(accepted))
+        stats.rounds += 1
+        stats.accepted.append(len(accepted) - 1)
+        stats.begin_round()
+        stats.add_split("draft", t1 - t0)
+        stats.add_split("verify", t2 - t1)
+        stats.add_split("accept", time.perf_counter() - t2)
+        return accepted, tree.tokens[accepted[1:]].tolist() + [bonus], aux
 
     def _snapshot(self, out: list[int], stats: SpecStats, reason: str | None, t0: float) -> Generation:
         stats.new_tokens = len(out)

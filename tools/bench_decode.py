@@ -8,7 +8,11 @@ Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, EAGLE chain (top_
 HF prompt-lookup decoding, HF assisted generation with a 2-layer assistant trained by
 tools/demo_target.py (built on first use when missing). Each prompt runs every method in turn, so
 drift on a shared machine hits all alike. tau = new tokens / target forwards after prefill.
-The last line printed is one JSON object.
+For our own loops the JSON also has `round_split` (seconds per round: draft = tree growth + ingest,
+verify = the target forward, accept = acceptance + KV compaction, other = the rest of the loop) and
+`model_speedup`, the cost model's prediction tau x T_step / (T_verify + T_draft) from the measured tau and
+per-round times (T_step = our vanilla loop's forward), beside `speedup_vs_vanilla` as measured: the gap is
+what the loop spends outside the model's forwards. The last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -22,7 +26,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from infer.generate import EagleGenerator, SpecSettings
 from infer.benchmarks import chat_ids, default_prompts, prompt_file
 
@@ -89,7 +92,8 @@ def main(argv=None) -> dict:
         "assisted": lambda ids: hf(ids, assistant_model=assistant),
     }
     methods = {k: v for k, v in methods.items() if k not in args.skip}
-    agg = {k: {"tokens": 0, "seconds": 0.0, "forwards": 0, "accepted": [], "match": 0} for k in methods}
+    agg = {k: {"tokens": 0, "seconds": 0.0, "forwards": 0, "accepted": [], "match": 0,
+               "split": {"draft": 0.0, "verify": 0.0, "accept": 0.0, "other": 0.0}} for k in methods}
     for ids in (chat_ids(tok, t) for t in texts[:1]):  # warm-up, not counted
         for fn in methods.values():
             fn(ids)
@@ -108,6 +112,8 @@ def main(argv=None) -> dict:
                 a["forwards"] += stats.rounds if stats is not None else max(0, counter.n - 1)
                 if stats is not None:
                     a["accepted"] += stats.accepted
+                    for part, sec in stats.split.items():
+                        a["split"][part] += sec
                 ref = tokens if ref is None else ref
                 a["match"] += tokens == ref
     base = agg["hf_generate"]["tokens"] / agg["hf_generate"]["seconds"] if "hf_generate" in agg else None
@@ -121,7 +127,20 @@ def main(argv=None) -> dict:
         if name in ("eagle_tree", "eagle_chain"):
             rounds = max(1, len(a["accepted"]))
             entry["accept_by_depth"] = [round(sum(x > d for x in a["accepted"]) / rounds, 3) for d in range(args.depth)]
+        if name in ("vanilla", "eagle_tree", "eagle_chain"):
+            rounds = max(1, len(a["accepted"]))
+            entry["round_split"] = {k: round(v / rounds, 5) for k, v in a["split"].items()}
+            share = sum(a["split"].values())
+            entry["other_share"] = round(a["split"]["other"] / share, 4) if share else None
         result[name] = entry
+    if "vanilla" in result:
+        t_step = result["vanilla"]["round_split"]["verify"]
+        van_tps = result["vanilla"]["tokens_per_s"]
+        for name in ("eagle_tree", "eagle_chain"):
+            if name in result:
+                rs = result[name]["round_split"]
+                result[name]["model_speedup"] = round(result[name]["tau"] * t_step / (rs["verify"] + rs["draft"]), 3)
+                result[name]["speedup_vs_vanilla"] = round(result[name]["tokens_per_s"] / van_tps, 3)
     print(json.dumps(result))
     return result
 
