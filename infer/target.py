@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from infer.tree import Tree, verify_mask
-from pipeline.target import CHUNKED, SLIDING, attention_layout, decoder_layers
+from pipeline.hidden import AuxTap
+from pipeline.target import CHUNKED, SLIDING, attention_layout
 
 
 class TargetRunner:
@@ -20,15 +21,7 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.layout = attention_layout(model)  # refuses recurrent / unmaskable layouts up front
-        layers = decoder_layers(model)
-        self._grabbed: dict[int, torch.Tensor] = {}
-        for j in self.aux_layer_ids:
-            layers[j].register_forward_hook(self._hook(j))
-
-    def _hook(self, j: int):
-        def fn(_module, _inputs, output):
-            self._grabbed[j] = output[0] if isinstance(output, tuple) else output
-        return fn
+        self.tap = AuxTap(model, self.aux_layer_ids)
 
     def verify_masks(self, tree: Tree, prefix_len: int):
         """The attention_mask argument for verifying `tree`: one 4D mask, or {layer type: 4D mask}."""
@@ -48,8 +41,7 @@ class TargetRunner:
         mask: None (causal, the model builds it) or what `verify_masks` returns."""
         out = self.model(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
                          attention_mask=mask, past_key_values=cache, use_cache=True)
-        aux = torch.cat([self._grabbed[j][0] for j in self.aux_layer_ids], dim=-1)
-        return out.logits[0].float(), aux
+        return out.logits[0].float(), self.tap.states()[0]
 
 
 def compact_cache(cache, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None:

@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from pipeline.hidden import StorageOverflow, bytes_per_token, capture_hidden, check_logit_rule, to_bytes
+from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
+from pipeline.hidden import capture_hidden, check_logit_rule
 from pipeline.target import load_model, resolve_aux_layers, text_config
 from pipeline.schema import Capture
 from pipeline.shards import (MANIFEST, rows_digest, shard_meta, shard_name, shard_ranges, signature_mismatch,

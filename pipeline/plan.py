@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.capture import capture_rows, make_signature
-from pipeline.hidden import bytes_per_token
+from pipeline.codec import bytes_per_token
 from pipeline.target import load_model
 from pipeline.shards import write_shard
 

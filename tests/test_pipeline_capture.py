@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.capture import micro_batches, run_capture
-from pipeline.hidden import from_bytes
+from pipeline.codec import from_bytes
 from pipeline.target import default_aux_layers, resolve_aux_layers
 from pipeline.schema import Capture
 from pipeline.shards import read_manifest, shard_ranges
@@ -113,7 +113,7 @@ def test_fp8_codec_round_trip_and_size():
     """fp8 shards: e4m3 with an fp32 scale per token and layer. Each value comes back within e4m3's
     relative step (2^-4) plus the scale's subnormal step; a layer with small values keeps its precision
     next to a layer of large ones; the row costs D + 4 x groups bytes (~0.5x bf16)."""
-    from pipeline.hidden import bytes_per_token, to_bytes
+    from pipeline.codec import bytes_per_token, to_bytes
 
     torch.manual_seed(0)
     h = 64

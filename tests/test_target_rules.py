@@ -8,7 +8,7 @@ import transformers as T
 
 from infer.generate import SpecSettings
 from infer.tree import Candidates, accept_sampling, finalize
-from pipeline.hidden import StorageOverflow, to_bytes
+from pipeline.codec import StorageOverflow, to_bytes
 from pipeline.target import attention_layout, decoder_layers, default_aux_layers, resolve_aux_layers
 from trainer.head import Eagle3Head, HeadConfig, Rotary
 from trainer.warm_start import remap_lm_head, warm_start_state

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.hidden import from_bytes
+from pipeline.codec import from_bytes
 from pipeline.shards import read_manifest, sha256_file
 from pipeline.target import resolve_aux_layers, text_config
 

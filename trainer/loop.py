@@ -46,7 +46,8 @@ def skip_shm_build() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
-class Runner:
+class HeadTrainer:
+    """One worker's head, DeepSpeed engine and target parts: forward, evaluate, export the best."""
     def __init__(self, cfg: TrainConfig, total_steps: int, d2t: torch.Tensor, t2d: torch.Tensor,
                  aux_layer_ids: list[int], storage_dtype: str):
         import ray.train
@@ -156,7 +157,7 @@ def train_loop_per_worker(config: dict) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     cfg = TrainConfig.model_validate(config["cfg"])
-    run = Runner(cfg, config["total_steps"], config["d2t"], config["t2d"], config["aux_layer_ids"],
+    run = HeadTrainer(cfg, config["total_steps"], config["d2t"], config["t2d"], config["aux_layer_ids"],
                  config["storage_dtype"])
     val = val_rows(Path(cfg.data.shards), cfg.data.val_rows).to_pylist() if cfg.data.val_rows else []
     state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
