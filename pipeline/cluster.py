@@ -9,20 +9,33 @@ for _k, _v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "di
     os.environ.setdefault(_k, _v)
 
 
+def verbose() -> bool:
+    """Ray worker and actor logs on the console (`--verbose` or EAGLERAY_VERBOSE=1); else they stay in
+    Ray's log files and the console shows each stage's one-line summary."""
+    return os.environ.get("EAGLERAY_VERBOSE", "") not in ("", "0")
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Join `address` (or $RAY_ADDRESS, as under `ray job submit`), else start a local Ray on 127.0.0.1.
-    Returns how it connected, for the log."""
+    Returns how it connected and where the worker logs are, for the log."""
     import ray
 
     if ray.is_initialized():
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
-        return f"joined {address}"
-    # The dashboard serves the state API that Ray Train's controller polls; without it, it logs every second.
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
-    return "started a local Ray"
+        ray.init(address=address, log_to_driver=verbose())
+        how = f"joined {address}"
+    else:
+        # The dashboard serves the state API that Ray Train's controller polls; without it, it logs every second.
+        ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                 _node_ip_address="127.0.0.1", log_to_driver=verbose(), logging_level="WARNING")
+        how = "started a local Ray"
+    try:
+        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    except AttributeError:  # joined through a client: the logs live on the cluster
+        logs = None
+    return how + (f" (worker logs: {logs}; --verbose shows them here)" if logs and not verbose() else "")
 
 
 def quiet_ray_data() -> None:

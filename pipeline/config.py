@@ -7,6 +7,7 @@ the source file and the dotted key.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -154,7 +155,13 @@ def config_arguments(prog: str, doc: str, example: str = "") -> argparse.Argumen
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*", help="dotted key=value" + (f", e.g. {example}" if example else ""))
+    ap.add_argument("--verbose", action=_Verbose, nargs=0, help="show Ray worker logs on the console")
     return ap
+
+
+class _Verbose(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        os.environ["EAGLERAY_VERBOSE"] = "1"  # read by pipeline.cluster.ensure_ray when Ray starts
 
 
 @contextmanager
