@@ -151,112 +151,159 @@ class HeadTrainer:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
 
 
-def train_loop_per_worker(config: dict) -> None:
-    import ray.train
-    from ray.train import Checkpoint
-    from torch.utils.tensorboard import SummaryWriter
+class MetricWindow:
+    """Sums between two log lines, per TTT step: loss, correct, counted; plus micro-batches and tokens."""
 
-    cfg = TrainConfig.model_validate(config["cfg"])
-    run = HeadTrainer(cfg, config["total_steps"], config["d2t"], config["t2d"], config["aux_layer_ids"],
-                 config["storage_dtype"])
-    val = val_rows(Path(cfg.data.shards), cfg.data.val_rows).to_pylist() if cfg.data.val_rows else []
-    state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
-    ckpt = ray.train.get_checkpoint()
-    if ckpt:
-        with ckpt.as_directory() as d:
-            run.engine.load_checkpoint(d, tag=CKPT_TAG)
-            state = json.loads((Path(d) / STATE_FILE).read_text())
-    writer = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard")) if run.rank == 0 else None
-    shard = ray.train.get_dataset_shard("train")
-    L, accum = cfg.model.ttt_length, cfg.optim.grad_accum
-    win = torch.zeros(3 * L + 2)  # loss sums, correct, counted, micro-batches, tokens
-    t_win, steps_win = time.time(), 0
+    def __init__(self, ttt_length: int):
+        self.L = ttt_length
+        self.sums = torch.zeros(3 * ttt_length + 2)
+        self.t0, self.steps = time.time(), 0
 
-    def checkpoint(metrics: dict) -> None:
+    def add(self, out: dict, tokens: int) -> None:
+        L = self.L
+        self.sums[:L] += out["step_loss"].float().cpu()
+        self.sums[L:2 * L] += out["step_correct"].cpu()
+        self.sums[2 * L:3 * L] += out["step_count"].cpu()
+        self.sums[3 * L] += 1
+        self.sums[3 * L + 1] += tokens
+
+    def record(self, run: HeadTrainer, step: int, epoch: int) -> dict:
+        """All ranks' sums -> one log record; the window starts over."""
+        L, w = self.L, run.all_sum(self.sums)
+        secs = max(time.time() - self.t0, 1e-9)
+        acc = (w[L:2 * L] / w[2 * L:3 * L].clamp(min=1)).tolist()
+        rec = {"step": step, "epoch": epoch, "loss": (w[:L] / w[3 * L]).tolist(), "acc": acc,
+               "lr": run.engine.get_lr()[0], "grad_norm": float(run.engine.get_global_grad_norm() or 0.0),
+               "tokens_per_s": float(w[3 * L + 1]) / secs, "step_s": secs / max(1, self.steps),
+               "sim_tau_train": simulated_tau(acc)}
+        self.sums.zero_()
+        self.t0, self.steps = time.time(), 0
+        return rec
+
+
+class TrainLoop:
+    """One worker's run: state restored from the latest checkpoint, epochs replayed in the same order up to
+    where it stopped, then step / log / evaluate / checkpoint (torchtitan's shape, on Ray Train)."""
+
+    def __init__(self, config: dict):
+        import ray.train
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.cfg = cfg = TrainConfig.model_validate(config["cfg"])
+        self.total = config["total_steps"]
+        self.run = HeadTrainer(cfg, self.total, config["d2t"], config["t2d"], config["aux_layer_ids"],
+                               config["storage_dtype"])
+        self.val = val_rows(Path(cfg.data.shards), cfg.data.val_rows).to_pylist() if cfg.data.val_rows else []
+        self.state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
+        ckpt = ray.train.get_checkpoint()
+        if ckpt:
+            with ckpt.as_directory() as d:
+                self.run.engine.load_checkpoint(d, tag=CKPT_TAG)
+                self.state = json.loads((Path(d) / STATE_FILE).read_text())
+        self.writer = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard")) if self.run.rank == 0 else None
+        self.shard = ray.train.get_dataset_shard("train")
+        self.window = MetricWindow(cfg.model.ttt_length)
+        start = self.state["global_step"]
+        self.stop_at = min(self.total, start + (cfg.run_steps or self.total))
+
+    def checkpoint(self, metrics: dict) -> None:
+        import ray.train
+        from ray.train import Checkpoint
+
         with tempfile.TemporaryDirectory() as d:
-            run.engine.save_checkpoint(d, tag=CKPT_TAG)
-            if run.rank == 0:
-                (Path(d) / STATE_FILE).write_text(json.dumps(state))
+            self.run.engine.save_checkpoint(d, tag=CKPT_TAG)
+            if self.run.rank == 0:
+                (Path(d) / STATE_FILE).write_text(json.dumps(self.state))
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
-    def finite_everywhere(loss: torch.Tensor) -> bool:
-        return bool(run.all_sum(torch.tensor(float(not torch.isfinite(loss).item()))).item() == 0)
-
-    if val and state["global_step"] == 0 and not state["history"]:  # the baseline every curve starts from
-        state["history"].append(run.evaluate(val) | {"step": 0})
-    start_step = state["global_step"]
-    stop_at = min(config["total_steps"], start_step + (cfg.run_steps or config["total_steps"]))
-    done = state["global_step"] >= stop_at
-    while not done and state["epoch"] < cfg.epochs:
-        stream = iter_micro_batches(shard.iter_batches(batch_size=64, batch_format="numpy"),
+    def micro_batches(self):
+        cfg, st = self.cfg, self.state
+        stream = iter_micro_batches(self.shard.iter_batches(batch_size=64, batch_format="numpy"),
                                     cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
-                                    cfg.data.bucket_pool, cfg.data.seed, state["epoch"])
-        for _ in range(state["batches_in_epoch"]):  # replay the epoch's order up to where we stopped
+                                    cfg.data.bucket_pool, cfg.data.seed, st["epoch"])
+        for _ in range(st["batches_in_epoch"]):  # replay the epoch's order up to where we stopped
             next(stream, None)
+        return stream
+
+    def train_micro_batch(self, rows: list[dict]) -> None:
+        run, st = self.run, self.state
+        out, ntok = run.forward(rows)
+        bad = run.all_sum(torch.tensor(float(not torch.isfinite(out["loss"]).item()))).item()
+        if bad:
+            raise FloatingPointError(
+                f"non-finite loss at step {st['global_step']} (epoch {st['epoch']}); training stopped, "
+                f"the last good checkpoint is the latest one reported before this step")
+        run.engine.backward(out["loss"])
+        run.engine.step()
+        st["batches_in_epoch"] += 1
+        self.window.add(out, ntok)
+
+    def log(self, step: int) -> None:
+        rec = self.window.record(self.run, step, self.state["epoch"])
+        self.state["history"].append(rec)
+        if self.writer:
+            for s in range(self.cfg.model.ttt_length):
+                self.writer.add_scalar(f"loss/step{s}", rec["loss"][s], step)
+                self.writer.add_scalar(f"acc/step{s}", rec["acc"][s], step)
+            for k in ("lr", "grad_norm", "tokens_per_s", "sim_tau_train"):
+                self.writer.add_scalar(f"train/{k}", rec[k], step)
+            Path(self.cfg.out_dir, "progress.json").write_text(json.dumps(rec | {"total_steps": self.total}))
+
+    def evaluate(self, step: int) -> None:
+        ev = self.run.evaluate(self.val) | {"step": step}
+        self.state["history"].append(ev)
+        if self.writer:
+            self.writer.add_scalar("eval/sim_tau", ev["sim_tau"], step)
+            for s in range(self.cfg.model.ttt_length):
+                self.writer.add_scalar(f"eval/acc_step{s}", ev["val_acc"][s], step)
+        if ev["sim_tau"] > self.state["best_tau"]:
+            self.state["best_tau"] = ev["sim_tau"]
+            self.run.save_best(ev)
+
+    def after_step(self) -> bool:
+        """Log, evaluate, checkpoint as due after an optimizer step; True when the run is done."""
+        cfg, st = self.cfg, self.state
+        st["global_step"] += 1
+        self.window.steps += 1
+        step = st["global_step"]
+        if step % cfg.log_every == 0 or step == self.total:
+            self.log(step)
+        if self.val and (step % cfg.eval_every == 0 or step == self.stop_at):
+            self.evaluate(step)
+        if step % cfg.checkpoint_every == 0 or step == self.stop_at:
+            self.checkpoint({"step": step, "best_tau": st["best_tau"]})
+        return step >= self.stop_at
+
+    def run_epoch(self) -> bool:
+        """One epoch (or its rest after a resume); True when the run is done."""
+        stream = self.micro_batches()
         while True:
             rows = next(stream, None)
             # Every rank must take the same number of steps: stop the epoch when any rank runs dry.
-            if run.all_sum(torch.tensor(0.0 if rows is None else 1.0)).item() < run.world:
-                break
-            out, ntok = run.forward(rows)
-            if not finite_everywhere(out["loss"]):
-                raise FloatingPointError(
-                    f"non-finite loss at step {state['global_step']} (epoch {state['epoch']}); training stopped, "
-                    f"the last good checkpoint is the latest one reported before this step")
-            run.engine.backward(out["loss"])
-            run.engine.step()
-            state["batches_in_epoch"] += 1
-            win[:L] += out["step_loss"].float().cpu()
-            win[L:2 * L] += out["step_correct"].cpu()
-            win[2 * L:3 * L] += out["step_count"].cpu()
-            win[3 * L] += 1
-            win[3 * L + 1] += ntok
-            if state["batches_in_epoch"] % accum:
-                continue
-            state["global_step"] += 1
-            steps_win += 1
-            step = state["global_step"]
-            if step % cfg.log_every == 0 or step == config["total_steps"]:
-                w = run.all_sum(win)
-                secs = max(time.time() - t_win, 1e-9)
-                acc = (w[L:2 * L] / w[2 * L:3 * L].clamp(min=1)).tolist()
-                rec = {"step": step, "epoch": state["epoch"], "loss": (w[:L] / w[3 * L]).tolist(), "acc": acc,
-                       "lr": run.engine.get_lr()[0], "grad_norm": float(run.engine.get_global_grad_norm() or 0.0),
-                       "tokens_per_s": float(w[3 * L + 1]) / secs, "step_s": secs / steps_win,
-                       "sim_tau_train": simulated_tau(acc)}
-                state["history"].append(rec)
-                if writer:
-                    for s in range(L):
-                        writer.add_scalar(f"loss/step{s}", rec["loss"][s], step)
-                        writer.add_scalar(f"acc/step{s}", acc[s], step)
-                    for k in ("lr", "grad_norm", "tokens_per_s", "sim_tau_train"):
-                        writer.add_scalar(f"train/{k}", rec[k], step)
-                    Path(cfg.out_dir, "progress.json").write_text(json.dumps(
-                        rec | {"total_steps": config["total_steps"]}))
-                win.zero_()
-                t_win, steps_win = time.time(), 0
-            if val and (step % cfg.eval_every == 0 or step == stop_at):
-                ev = run.evaluate(val) | {"step": step}
-                state["history"].append(ev)
-                if writer:
-                    writer.add_scalar("eval/sim_tau", ev["sim_tau"], step)
-                    for s in range(L):
-                        writer.add_scalar(f"eval/acc_step{s}", ev["val_acc"][s], step)
-                if ev["sim_tau"] > state["best_tau"]:
-                    state["best_tau"] = ev["sim_tau"]
-                    run.save_best(ev)
-            if step % cfg.checkpoint_every == 0 or step == stop_at:
-                checkpoint({"step": step, "best_tau": state["best_tau"]})
-            if step >= stop_at:
-                done = True
-                break
-        if not done:
-            state["epoch"] += 1
-            state["batches_in_epoch"] = 0
-    if not val:  # nothing to choose by: the final head is the best one
-        run.save_best({"step": state["global_step"], "note": "no validation rows; final weights"})
-    if state["global_step"] % cfg.checkpoint_every and state["global_step"] != stop_at:
-        checkpoint({"step": state["global_step"], "best_tau": state["best_tau"]})
-    if writer:
-        writer.close()
-        Path(cfg.out_dir, "history.json").write_text(json.dumps(state["history"], indent=1))
+            if self.run.all_sum(torch.tensor(0.0 if rows is None else 1.0)).item() < self.run.world:
+                return False
+            self.train_micro_batch(rows)
+            if self.state["batches_in_epoch"] % self.cfg.optim.grad_accum == 0 and self.after_step():
+                return True
+
+    def __call__(self) -> None:
+        st = self.state
+        if self.val and st["global_step"] == 0 and not st["history"]:  # the baseline every curve starts from
+            st["history"].append(self.run.evaluate(self.val) | {"step": 0})
+        done = st["global_step"] >= self.stop_at
+        while not done and st["epoch"] < self.cfg.epochs:
+            done = self.run_epoch()
+            if not done:
+                st["epoch"] += 1
+                st["batches_in_epoch"] = 0
+        if not self.val:  # nothing to choose by: the final head is the best one
+            self.run.save_best({"step": st["global_step"], "note": "no validation rows; final weights"})
+        if st["global_step"] % self.cfg.checkpoint_every and st["global_step"] != self.stop_at:
+            self.checkpoint({"step": st["global_step"], "best_tau": st["best_tau"]})
+        if self.writer:
+            self.writer.close()
+            Path(self.cfg.out_dir, "history.json").write_text(json.dumps(st["history"], indent=1))
+
+
+def train_loop_per_worker(config: dict) -> None:
+    TrainLoop(config)()
