@@ -128,6 +128,10 @@ def pending_shards(out_dir: Path, tokens: pa.Table, ranges, signature: dict) -> 
         path = out_dir / shard_name(index)
         if path.is_file():
             meta = shard_meta(path)
+            if meta.get("target_weights_id") != signature["target_weights_id"]:
+                path.unlink()  # the target was retrained in place: its states are stale, recapture
+                todo.append((index, start, end))
+                continue
             why = signature_mismatch(meta, signature)
             if why:
                 raise ValueError(f"{path}: captured with different settings ({why}); "

@@ -25,6 +25,7 @@ import ray
 import torch
 
 from pipeline.schema import Regenerate
+from pipeline.target import weights_id
 from pipeline.tokenize import read_records_table
 
 
@@ -201,6 +202,7 @@ def _fingerprint(cfg: Regenerate, target: Path, records: Path) -> str:
     h = hashlib.sha256(cfg.model_dump_json(exclude={"num_actors", "num_cpus_per_actor", "batch_size"}).encode())
     h.update(str(Path(target).resolve()).encode())
     h.update((Path(target) / "config.json").read_bytes())
+    h.update(weights_id(target).encode())  # a target retrained in place writes other answers
     h.update(records.read_bytes())
     return h.hexdigest()
 

@@ -46,7 +46,10 @@ def target_signature(target: Path, tokenizer, num_layers: int, hidden_size: int,
                      dtype: str, max_length: int) -> dict:
     tmpl = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
         tokenizer.chat_template, sort_keys=True)
-    return {"target_config_sha256": sha256_file(Path(target) / "config.json"), "hidden_size": hidden_size,
+    from pipeline.target import weights_id
+
+    return {"target_config_sha256": sha256_file(Path(target) / "config.json"), "target_weights_id": weights_id(target),
+            "hidden_size": hidden_size,
             "num_layers": num_layers, "aux_layer_ids": list(aux_layer_ids), "dtype": dtype,
             "max_length": max_length, "chat_template_sha256": hashlib.sha256(tmpl.encode()).hexdigest(),
             "vocab_size": len(tokenizer)}

@@ -26,6 +26,20 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def weights_id(target) -> str:
+    """Identity of a target's weights without reading them: name, size and mtime of every weight file.
+    A target retrained in place gets a new id, so regeneration and capture do not reuse stale output."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for f in sorted(Path(target).iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+            st = f.stat()
+            h.update(f"{f.name}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
 def load_model(target, dtype: str | torch.dtype = "auto", use_gpu: bool = False):
     """The one target loader: AutoModelForCausalLM from a folder, eval mode, on cuda when asked and
     present. dtype "auto": bf16 on GPU, fp32 on CPU (CPUs here have no fast bf16). -> (model, device)."""

@@ -1,5 +1,6 @@
 """Regeneration: the target's own greedy answers replace the corpus answers; too-long prompts are skipped."""
 import json
+import os
 
 import pytest
 import torch
@@ -67,6 +68,15 @@ def test_prompt_only_records_are_answered_and_bad_records_counted(tmp_path, ray_
     assert [(f["id"], f["status"], f["kept"]) for f in fail] == [("bad", "errored", False)]
     again = run_regenerate(Regenerate(enabled=True, max_new_tokens=16, batch_size=4), tiny_target, path, tmp_path / "r")
     assert again["reused"] and again["success"] == 6  # a finished run is not redone
+    weights = tiny_target / "model.safetensors"  # the target retrained in place: new answers are due
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    try:
+        fresh = run_regenerate(Regenerate(enabled=True, max_new_tokens=16, batch_size=4), tiny_target, path,
+                               tmp_path / "r")
+        assert "reused" not in fresh and fresh["success"] == 6
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @pytest.mark.slow

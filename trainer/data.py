@@ -36,6 +36,10 @@ def check_manifest(manifest: dict, target: Path, tokenizer, tcfg) -> None:
         ("chat_template_sha256", manifest.get("chat_template_sha256"), hashlib.sha256(tmpl.encode()).hexdigest()),
         ("target_config_sha256", manifest.get("target_config_sha256"), sha256_file(Path(target) / "config.json")),
     ]
+    if "target_weights_id" in manifest:  # manifests before this field: config and template checks only
+        from pipeline.target import weights_id
+
+        checks.append(("target_weights_id", manifest["target_weights_id"], weights_id(target)))
     for field, got, want in checks:
         if got != want:
             raise ValueError(f"shards do not match the target {target}: manifest field {field} is {got!r}, "
