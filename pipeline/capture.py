@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
+from pipeline.cluster import check_actor_cpus
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
 from pipeline.hidden import capture_hidden, check_logit_rule
 from pipeline.target import load_model, resolve_aux_layers, text_config
@@ -154,6 +155,7 @@ def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, ma
     t0 = time.perf_counter()
     results = []
     if todo:
+        check_actor_cpus("capture.num_cpus_per_actor", min(cfg.num_actors, len(todo)), cfg.num_cpus_per_actor)
         items = [{"index": i, "start": s, "end": e} for i, s, e in todo]
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         ds = ds.map_batches(

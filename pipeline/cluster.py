@@ -48,3 +48,16 @@ def quiet_ray_data() -> None:
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
+
+
+def check_actor_cpus(key: str, num_actors: int, cpus_per_actor: float) -> None:
+    """Refuse an actor pool that takes every CPU of the cluster: Ray Data's own tasks (reads, repartition)
+    then never get one, and the job waits forever with idle actors (seen with 1 actor x 2 CPUs on 2 cores)."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0)
+    if total and num_actors * cpus_per_actor > total - 0.5:
+        raise ValueError(f"{key}: {num_actors} actor(s) x {cpus_per_actor:g} CPU leave no CPU of this {total:g}-CPU "
+                         f"cluster for Ray Data's own tasks, so the job would wait forever; give the actors at most "
+                         f"{max(0.0, total - 1):g} CPU in all (an actor's torch / vLLM threads may still use "
+                         f"more cores)")

@@ -24,6 +24,7 @@ import pyarrow as pa
 import ray
 import torch
 
+from pipeline.cluster import check_actor_cpus
 from pipeline.schema import Regenerate
 from pipeline.target import weights_id
 from pipeline.tokenize import read_records_table
@@ -214,6 +215,7 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path) 
         old = json.loads(stats_path.read_text())
         if old.get("fingerprint") == fp:  # same input, same settings: the finished output stands
             return old | {"reused": True}
+    check_actor_cpus("regenerate.num_cpus_per_actor", cfg.num_actors, cfg.num_cpus_per_actor)
     table = read_records_table(records)
     sources = {}
     with open(records, encoding="utf-8") as f:
