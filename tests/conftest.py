@@ -74,8 +74,11 @@ def _stop_cluster(temp_dir: str) -> None:
         try:
             if any(temp_dir in a for a in (p.info["cmdline"] or [])):
                 procs.append(p)
+                # Agents and workers rename themselves ("ray::DashboardAgent"): take the whole tree.
+                procs += p.children(recursive=True)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+    procs = list({p.pid: p for p in procs}.values())
     for p in procs:
         try:
             p.terminate()
