@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from infer.generate import EagleGenerator, SpecSettings
 from infer.benchmarks import chat_ids, default_prompts, prompt_file
 
