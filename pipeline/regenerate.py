@@ -25,8 +25,8 @@ import ray
 import torch
 
 from pipeline.cluster import check_actor_cpus
-from pipeline.schema import Regenerate
-from pipeline.target import weights_id
+from pipeline.config import ChatTemplate, Regenerate
+from pipeline.target import TargetSpec, weights_id
 from pipeline.tokenize import read_records_table
 
 
@@ -41,13 +41,13 @@ def fill_slots(conv: list[dict]) -> tuple[list[dict], list[int]]:
 class TurnRegenerator:
     """The turn loop, statuses and reasons, shared by both engines; subclasses implement `generate`."""
 
-    def __init__(self, target: str, cfg: dict):
+    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate):
         from transformers import AutoTokenizer
 
-        self.cfg = Regenerate(**cfg)
+        self.cfg = cfg
         self.tok = AutoTokenizer.from_pretrained(target)
-        self.kw = {} if self.cfg.enable_thinking is None else {"enable_thinking": self.cfg.enable_thinking}
-        self.max_len = self.context_length(target)
+        self.kw = chat.kwargs()
+        self.max_len = TargetSpec.read(target).max_positions
         self.stop_ids = self.eos_ids(target)
 
     def eos_ids(self, target: str) -> set[int]:
@@ -59,13 +59,6 @@ class TurnRegenerator:
             eos = None
         eos = eos if eos is not None else self.tok.eos_token_id
         return set(eos if isinstance(eos, list) else [eos]) - {None}
-
-    def context_length(self, target: str) -> int:
-        from transformers import AutoConfig
-
-        from pipeline.target import text_config
-
-        return int(getattr(text_config(AutoConfig.from_pretrained(target)), "max_position_embeddings", 4096))
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Prompt token ids -> answer token ids (cut before the first end-of-sequence token)."""
@@ -141,8 +134,8 @@ class TurnRegenerator:
 
 
 class HFRegenerator(TurnRegenerator):
-    def __init__(self, target: str, cfg: dict):
-        super().__init__(target, cfg)
+    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate):
+        super().__init__(target, cfg, chat)
         from pipeline.target import load_model
 
         if self.cfg.threads_per_actor:
@@ -165,10 +158,10 @@ class HFRegenerator(TurnRegenerator):
 class VllmRegenerator(TurnRegenerator):
     """vLLM's offline engine inside the actor (in-process: Ray already gave the actor its CPUs / GPU)."""
 
-    def __init__(self, target: str, cfg: dict):
+    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(Regenerate(**cfg).vllm.kv_cache_gb))
-        super().__init__(target, cfg)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm.kv_cache_gb))
+        super().__init__(target, cfg, chat)
         from vllm import LLM
 
         v = self.cfg.vllm
@@ -199,8 +192,9 @@ class VllmRegenerator(TurnRegenerator):
 ENGINES = {"hf": HFRegenerator, "vllm": VllmRegenerator}
 
 
-def _fingerprint(cfg: Regenerate, target: Path, records: Path) -> str:
+def _fingerprint(cfg: Regenerate, chat: ChatTemplate, target: Path, records: Path) -> str:
     h = hashlib.sha256(cfg.model_dump_json(exclude={"num_actors", "num_cpus_per_actor", "batch_size"}).encode())
+    h.update(chat.model_dump_json().encode())
     h.update(str(Path(target).resolve()).encode())
     h.update((Path(target) / "config.json").read_bytes())
     h.update(weights_id(target).encode())  # a target retrained in place writes other answers
@@ -208,9 +202,10 @@ def _fingerprint(cfg: Regenerate, target: Path, records: Path) -> str:
     return h.hexdigest()
 
 
-def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path) -> dict:
+def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
+                   chat: ChatTemplate = ChatTemplate()) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stats_path, fp = out_dir / "stats.json", _fingerprint(cfg, target, records)
+    stats_path, fp = out_dir / "stats.json", _fingerprint(cfg, chat, target, records)
     if stats_path.is_file() and (out_dir / "records.jsonl").is_file():
         old = json.loads(stats_path.read_text())
         if old.get("fingerprint") == fp:  # same input, same settings: the finished output stands
@@ -226,7 +221,7 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path) 
     ds = ds.map_batches(ENGINES[cfg.engine], batch_size=cfg.batch_size * 4, batch_format="numpy",
                         compute=ray.data.ActorPoolStrategy(size=cfg.num_actors), num_cpus=cfg.num_cpus_per_actor,
                         num_gpus=cfg.num_gpus_per_actor, fn_constructor_kwargs={"target": str(target),
-                                                                               "cfg": cfg.model_dump()})
+                                                                               "cfg": cfg, "chat": chat})
     result = pa.concat_tables(ray.get(ds.to_arrow_refs()))
     order = {rid: i for i, rid in enumerate(table.column("id").to_pylist())}
     rows = sorted(result.to_pylist(), key=lambda r: order[r["id"]])

@@ -18,8 +18,8 @@ SHARD_SCHEMA = pa.schema([
 META_KEY = b"eagleray"
 MANIFEST = "manifest.json"
 # Fields that must agree between shards of one run, and with the target a trainer uses.
-SIGNATURE_FIELDS = ("target_config_sha256", "hidden_size", "num_layers", "aux_layer_ids", "dtype",
-                    "max_length", "chat_template_sha256", "vocab_size")
+SIGNATURE_FIELDS = ("target_config_sha256", "target_weights_id", "hidden_size", "num_layers", "aux_layer_ids",
+                    "dtype", "max_length", "chat_template_sha256", "vocab_size")
 
 
 def shard_name(index: int) -> str:
@@ -38,29 +38,21 @@ def rows_digest(ids: list[str], lengths: list[int]) -> str:
     return h.hexdigest()[:32]
 
 
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def data_signature(spec, aux_layer_ids: list[int], dtype: str, max_length: int) -> dict:
+    """What every shard of a run and the trainer's target must agree on: the target's identity
+    (`TargetSpec.identity`) plus how its states were captured."""
+    return spec.identity() | {"aux_layer_ids": list(aux_layer_ids), "dtype": dtype, "max_length": max_length}
 
 
-def target_signature(target: Path, tokenizer, num_layers: int, hidden_size: int, aux_layer_ids: list[int],
-                     dtype: str, max_length: int) -> dict:
-    tmpl = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
-        tokenizer.chat_template, sort_keys=True)
-    from pipeline.target import weights_id
-
-    return {"target_config_sha256": sha256_file(Path(target) / "config.json"), "target_weights_id": weights_id(target),
-            "hidden_size": hidden_size,
-            "num_layers": num_layers, "aux_layer_ids": list(aux_layer_ids), "dtype": dtype,
-            "max_length": max_length, "chat_template_sha256": hashlib.sha256(tmpl.encode()).hexdigest(),
-            "vocab_size": len(tokenizer)}
+def first_mismatch(found: dict, expected: dict) -> str | None:
+    """The first signature field `expected` names whose value `found` does not share, or None."""
+    return next((k for k in SIGNATURE_FIELDS if k in expected and found.get(k) != expected[k]), None)
 
 
 def signature_mismatch(found: dict, expected: dict) -> str | None:
     """The first signature field that differs, worded for the user, or None."""
-    for k in SIGNATURE_FIELDS:
-        if found.get(k) != expected.get(k):
-            return f"{k}: shards have {found.get(k)!r}, expected {expected.get(k)!r}"
-    return None
+    k = first_mismatch(found, expected)
+    return None if k is None else f"{k}: shards have {found.get(k)!r}, expected {expected[k]!r}"
 
 
 def shard_meta(path: Path) -> dict:

@@ -1,5 +1,7 @@
 """What every stage needs to know about a target (docs/ARCHITECTURE.md "The target"), read in one place.
 
+- `TargetSpec.read(folder)`: the target's facts read once from its folder (config, tokenizer, weight files):
+  layers, hidden size, vocab, architecture, context, the hashes that identify it. Every stage takes one.
 - `text_config(cfg)`: the language model's config of any HF config (multimodal wrappers included).
 - `decoder_layers(model)`: the decoder blocks (Llama-style `model.layers`, GPT-2-style `transformer.h`, ...),
   or a refusal that names the class.
@@ -17,6 +19,7 @@ import inspect
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -26,11 +29,56 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+@dataclass(frozen=True)
+class TargetSpec:
+    """A target folder's facts, without loading its weights. `identity()` is what shards and regenerated
+    records are stamped with, so later stages refuse the output of another target."""
+    path: Path
+    config: object               # the language model's config (text_config of the folder's config)
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int              # rows of the embedding / lm_head
+    tokenizer_size: int          # len(tokenizer), special tokens included
+    max_positions: int
+    config_sha256: str
+    chat_template_sha256: str
+    weights_id: str
+
+    @classmethod
+    def read(cls, folder) -> "TargetSpec":
+        import hashlib
+        import json
+
+        from transformers import AutoConfig, AutoTokenizer
+
+        folder = Path(folder).resolve()
+        full = AutoConfig.from_pretrained(folder)
+        cfg = text_config(full)
+        tok = AutoTokenizer.from_pretrained(folder)
+        tmpl = tok.chat_template if isinstance(tok.chat_template, str) or tok.chat_template is None else \
+            json.dumps(tok.chat_template, sort_keys=True)
+        return cls(path=folder, config=cfg, architecture=(full.architectures or ["LlamaForCausalLM"])[0],
+                   num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                   tokenizer_size=len(tok), max_positions=int(getattr(cfg, "max_position_embeddings", None) or 4096),
+                   config_sha256=hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
+                   chat_template_sha256=hashlib.sha256((tmpl or "").encode()).hexdigest(),
+                   weights_id=weights_id(folder))
+
+    def aux_layers(self, layer_ids: list[int] | None = None, key: str = "capture.layer_ids") -> list[int]:
+        return resolve_aux_layers(self.num_layers, layer_ids, key)
+
+    def identity(self) -> dict:
+        """The fields a shard manifest carries about its target (docs/ARCHITECTURE.md §2)."""
+        return {"target_config_sha256": self.config_sha256, "target_weights_id": self.weights_id,
+                "hidden_size": self.hidden_size, "num_layers": self.num_layers,
+                "chat_template_sha256": self.chat_template_sha256, "vocab_size": self.tokenizer_size}
+
+
 def weights_id(target) -> str:
     """Identity of a target's weights without reading them: name, size and mtime of every weight file.
     A target retrained in place gets a new id, so regeneration and capture do not reuse stale output."""
     import hashlib
-    from pathlib import Path
 
     h = hashlib.sha256()
     for f in sorted(Path(target).iterdir()):

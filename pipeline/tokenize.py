@@ -21,10 +21,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from pipeline.schema import Tokenize
+from pipeline.config import ChatTemplate, Tokenize
 
 TOKENS_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
                            ("loss_mask", pa.list_(pa.uint8())), ("n_tokens", pa.int32()), ("n_loss", pa.int32())])
+TOKENS_META = b"eagleray_tokenize"  # schema metadata of tokens.parquet: {"max_length": ...}
+
+
+def tokens_max_length(tokens_path: Path) -> int:
+    """The length cap the tokens were cut at (written by run_tokenize)."""
+    meta = pq.read_schema(tokens_path).metadata or {}
+    if TOKENS_META not in meta:
+        raise ValueError(f"{tokens_path} carries no tokenize settings (written by an older version): "
+                         f"rerun the tokenize stage")
+    return int(json.loads(meta[TOKENS_META])["max_length"])
 
 
 @lru_cache(maxsize=4)
@@ -40,10 +50,6 @@ def load_tokenizer(path: str):
 def has_generation_markers(tok) -> bool:
     tmpl = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
     return "{% generation %}" in tmpl or "{%- generation %}" in tmpl or "generation -%}" in tmpl
-
-
-def _template_kwargs(enable_thinking: bool | None) -> dict:
-    return {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
 
 def mask_by_markers(tok, messages: list[dict], **kw) -> tuple[list[int], list[int]]:
@@ -103,11 +109,11 @@ def mask_by_render(tok, messages: list[dict], **kw) -> tuple[list[int], list[int
 
 
 def tokenize_batch(batch: dict, target: str, max_length: int, mode: str, min_loss: int,
-                   enable_thinking: bool | None) -> pa.Table:
+                   chat: ChatTemplate) -> pa.Table:
     """Ray Data UDF: records (id, messages as JSON) -> token rows, rejects carried in `reason`."""
     tok = load_tokenizer(target)
     use_markers = mode == "generation" or (mode == "auto" and has_generation_markers(tok))
-    kw = _template_kwargs(enable_thinking)
+    kw = chat.kwargs()
     cols = {"id": [], "input_ids": [], "loss_mask": [], "n_tokens": [], "n_loss": [], "reason": []}
     for rid, raw in zip(batch["id"], batch["messages"]):
         messages = json.loads(raw)
@@ -144,7 +150,7 @@ def read_records_table(path: Path) -> pa.Table:
 
 
 def run_tokenize(cfg: Tokenize, target: Path, records: Path, out_dir: Path,
-                 enable_thinking: bool | None = None) -> dict:
+                 chat: ChatTemplate = ChatTemplate()) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     table = read_records_table(records)
     if table.num_rows == 0:
@@ -153,7 +159,7 @@ def run_tokenize(cfg: Tokenize, target: Path, records: Path, out_dir: Path,
     ds = ray.data.from_arrow(table).repartition(blocks)
     ds = ds.map_batches(tokenize_batch, batch_format="numpy", batch_size=256, fn_kwargs=dict(
         target=str(target), max_length=cfg.max_length, mode=cfg.mask, min_loss=cfg.min_loss_tokens,
-        enable_thinking=enable_thinking))
+        chat=chat))
     result = pa.concat_tables(ray.get(ds.to_arrow_refs()))
     # Keep the input order whatever order the blocks finished in: shards downstream depend on it.
     order = {rid: i for i, rid in enumerate(table.column("id").to_pylist())}
@@ -172,6 +178,8 @@ def run_tokenize(cfg: Tokenize, target: Path, records: Path, out_dir: Path,
         raise ValueError(
             f"tokenize: no record has a loss token (rejects: {by_reason}). The chat template of {target} "
             f"may not mark assistant turns; try tokenize.mask=render, or check max_length={cfg.max_length}")
+    # The cap travels with the tokens: capture stamps it into the data signature.
+    good = good.replace_schema_metadata({TOKENS_META: json.dumps({"max_length": cfg.max_length}).encode()})
     tmp = out_dir / "tokens.parquet.tmp"
     pq.write_table(good, tmp, compression="zstd")
     tmp.replace(out_dir / "tokens.parquet")

@@ -9,6 +9,9 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.config import Vocab
+from pipeline.target import TargetSpec
+
 VOCAB_FILE = "draft_vocab.safetensors"
 
 
@@ -47,9 +50,11 @@ def masked_token_counts(tokens_path: Path, vocab: int) -> np.ndarray:
     return np.sum([np.asarray(p["counts"]) for p in parts], axis=0) if parts else np.zeros(vocab, np.int64)
 
 
-def run_vocab(draft_vocab_size: int, tokens_path: Path, vocab_size: int, out_dir: Path) -> dict:
+def run_vocab(cfg: Vocab, target: Path, tokens_path: Path, out_dir: Path) -> dict:
+    """The draft vocabulary: the `cfg.draft_vocab_size` most frequent loss-masked tokens."""
+    vocab_size = TargetSpec.read(target).vocab_size
     counts = masked_token_counts(tokens_path, vocab_size)
-    size = min(draft_vocab_size, vocab_size)
+    size = min(cfg.draft_vocab_size, vocab_size)
     d2t, t2d = build_draft_vocab(counts, size)
     covered = int(counts[t2d.numpy()].sum())
     stats = {"draft_vocab_size": size, "target_vocab_size": vocab_size, "masked_tokens": int(counts.sum()),

@@ -132,8 +132,8 @@ def pipeline_tree(run_dir: Path, target: Path, corpus: Path, records: int = 64, 
 def pipeline_run(tmp_path_factory, ray_cluster, tiny_target, demo_corpus) -> Path:
     """The whole pipeline (ingest, tokenize, capture, vocab) on the tiny target: its run_dir."""
     from pipeline.__main__ import run
-    from pipeline.config import load_config
-    from pipeline.schema import PipelineConfig
+    from pipeline.yaml_config import load_config
+    from pipeline.config import PipelineConfig
 
     run_dir = tmp_path_factory.mktemp("pipeline_run")
     cfg_path = write_yaml(run_dir / "cfg.yaml", pipeline_tree(run_dir, tiny_target, demo_corpus / "train.jsonl"))
@@ -145,7 +145,7 @@ def pipeline_run(tmp_path_factory, ray_cluster, tiny_target, demo_corpus) -> Pat
 def tiny_head(tmp_path_factory, ray_cluster, pipeline_run, tiny_target):
     """A head trained briefly on the tiny target's shards (1 worker), SGLang export folder. 240 steps (~40 s):
     enough that it leans on the aux states (chain tau ~2.4 at k=3), so a broken export shows in vLLM."""
-    from pipeline.config import load_config
+    from pipeline.yaml_config import load_config
     from trainer.config import TrainConfig
     from trainer.driver import run_training
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from pipeline.config import ConfigError, ExistingPath, StrictModel, load_config, split_cli
+from pipeline.yaml_config import ConfigError, ExistingPath, StrictModel, load_config, split_cli
 
 
 class Optim(StrictModel):

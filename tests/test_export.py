@@ -1,10 +1,12 @@
 """Export / import in SGLang and speculators formats: exact names, shapes, config fields, bit-exact."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.target import TargetSpec
 from test_ttt import tiny_head
 from trainer.export import HEAD_KEYS, export_head, head_state, import_head
 
@@ -14,6 +16,13 @@ DESIGN_KEYS = {
     "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
     "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
     "norm.weight", "lm_head.weight", "d2t", "t2d"}
+
+
+def spec(num_layers: int, path: str = "/models/t") -> TargetSpec:
+    """What export needs of a target, without a target folder."""
+    return TargetSpec(path=Path(path), config=None, architecture="LlamaForCausalLM", num_layers=num_layers,
+                      hidden_size=32, vocab_size=40, tokenizer_size=40, max_positions=128, config_sha256="",
+                      chat_template_sha256="", weights_id="")
 
 
 def head_and_state():
@@ -28,7 +37,7 @@ def head_and_state():
 def test_round_trip_bit_exact(tmp_path, fmt):
     head, state = head_and_state()
     assert set(state) == DESIGN_KEYS == set(HEAD_KEYS)
-    out = export_head(state, head.config, [1, 3, 4], 8, tmp_path / fmt, fmt, "/models/t")
+    out = export_head(state, head.config, [1, 3, 4], spec(8, "/models/t"), tmp_path / fmt, fmt)
     back, cfg, aux = import_head(out, 8)
     assert aux == [1, 3, 4]
     assert set(back) == DESIGN_KEYS
@@ -41,7 +50,7 @@ def test_round_trip_bit_exact(tmp_path, fmt):
 
 def test_sglang_layout(tmp_path):
     head, state = head_and_state()
-    out = export_head(state, head.config, [1, 3, 4], 8, tmp_path / "s", "sglang")
+    out = export_head(state, head.config, [1, 3, 4], spec(8), tmp_path / "s", "sglang")
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["model_type"] == "llama"
     assert conf["num_hidden_layers"] == 1 and conf["tie_word_embeddings"] is False
@@ -58,7 +67,7 @@ def test_sglang_layout(tmp_path):
     assert shapes["midlayer.self_attn.q_proj.weight"] == (32, 64)
     assert shapes["midlayer.self_attn.k_proj.weight"] == (16, 64)
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
-    explicit = json.loads((export_head(state, head.config, [0, 2, 5], 8, tmp_path / "e", "sglang") / "config.json")
+    explicit = json.loads((export_head(state, head.config, [0, 2, 5], spec(8), tmp_path / "e", "sglang") / "config.json")
                           .read_text())
     assert explicit["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
     assert explicit["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
@@ -66,7 +75,7 @@ def test_sglang_layout(tmp_path):
 
 def test_aux_fields_must_agree_and_either_alone_reads(tmp_path):
     head, state = head_and_state()
-    out = export_head(state, head.config, [0, 2, 5], 8, tmp_path / "s", "sglang")
+    out = export_head(state, head.config, [0, 2, 5], spec(8), tmp_path / "s", "sglang")
     conf = json.loads((out / "config.json").read_text())
     for drop, keep in (("top", "eagle_config"), ("eagle_config", "top")):
         c = json.loads(json.dumps(conf))
@@ -89,19 +98,19 @@ def test_aux_layers_must_be_distinct_ascending_in_every_format(tmp_path, fmt):
     unordered ids would feed the head other features than it was trained on, so no format takes them."""
     head, state = head_and_state()
     with pytest.raises(ValueError, match=r"\[1, 1, 2\] must be strictly ascending"):
-        export_head(state, head.config, [1, 1, 2], 6, tmp_path / "a", fmt)
+        export_head(state, head.config, [1, 1, 2], spec(6), tmp_path / "a", fmt)
     with pytest.raises(ValueError, match=r"\[3, 1, 4\] must be strictly ascending"):
-        export_head(state, head.config, [3, 1, 4], 8, tmp_path / "b", fmt)
+        export_head(state, head.config, [3, 1, 4], spec(8), tmp_path / "b", fmt)
     with pytest.raises(ValueError, match=r"\[8\] out of range for a 8-layer target"):
-        export_head(state, head.config, [1, 3, 8], 8, tmp_path / "x", fmt)
+        export_head(state, head.config, [1, 3, 8], spec(8), tmp_path / "x", fmt)
     assert not any((tmp_path / d).exists() for d in "abx")
-    export_head(state, head.config, [1, 3, 4], 8, tmp_path / "ok", fmt)
+    export_head(state, head.config, [1, 3, 4], spec(8), tmp_path / "ok", fmt)
     assert (tmp_path / "ok" / "model.safetensors").is_file()
 
 
 def test_speculators_layout(tmp_path):
     head, state = head_and_state()
-    out = export_head(state, head.config, [1, 3, 4], 8, tmp_path / "v", "speculators", "/models/t")
+    out = export_head(state, head.config, [1, 3, 4], spec(8, "/models/t"), tmp_path / "v", "speculators")
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["Eagle3Speculator"] and conf["speculators_model_type"] == "eagle3"
     assert conf["norm_before_residual"] is False
@@ -120,8 +129,8 @@ def test_missing_tensor_fails(tmp_path, fmt):
     broken = dict(state)
     del broken["midlayer.hidden_norm.weight"]
     with pytest.raises(ValueError, match="missing .*hidden_norm"):
-        export_head(broken, head.config, [1, 3, 4], 8, tmp_path / "x", fmt)
-    out = export_head(state, head.config, [1, 3, 4], 8, tmp_path / fmt, fmt)
+        export_head(broken, head.config, [1, 3, 4], spec(8), tmp_path / "x", fmt)
+    out = export_head(state, head.config, [1, 3, 4], spec(8), tmp_path / fmt, fmt)
     tensors = load_file(str(out / "model.safetensors"))
     tensors.pop(next(k for k in tensors if k.endswith("mlp.up_proj.weight")))
     save_file(tensors, str(out / "model.safetensors"))
@@ -133,4 +142,4 @@ def test_wrong_shape_fails(tmp_path):
     head, state = head_and_state()
     state["fc.weight"] = state["fc.weight"][:, :64]
     with pytest.raises(ValueError, match=r"fc.weight has shape \(32, 64\), expected \(32, 96\)"):
-        export_head(state, head.config, [1, 3, 4], 8, tmp_path / "x", "sglang")
+        export_head(state, head.config, [1, 3, 4], spec(8), tmp_path / "x", "sglang")

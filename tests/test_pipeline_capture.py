@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.capture import micro_batches, run_capture
+from pipeline.buckets import length_buckets
+from pipeline.capture import run_capture
 from pipeline.codec import from_bytes
 from pipeline.target import default_aux_layers, resolve_aux_layers
-from pipeline.schema import Capture
+from pipeline.config import Capture
 from pipeline.shards import read_manifest, shard_ranges
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -42,7 +43,7 @@ def test_aux_layer_rule():
 
 def test_shard_ranges_and_micro_batches():
     assert shard_ranges(35, 16) == [(0, 0, 16), (1, 16, 32), (2, 32, 35)]
-    groups = micro_batches([5, 40, 10, 40, 7], batch_tokens=80)
+    groups = length_buckets([5, 40, 10, 40, 7], 80, longest_first=True)
     assert groups == [[1, 3], [2, 4, 0]]
     assert sorted(i for g in groups for i in g) == list(range(5))
 
@@ -57,7 +58,7 @@ def test_capture_equals_direct_forward(arch, tmp_path, ray_cluster, pipeline_run
     for dtype in ("bf16", "fp32"):
         out = tmp_path / f"cap_{dtype}"
         info = run_capture(Capture(dtype=dtype, rows_per_shard=24, batch_tokens=1024, threads_per_actor=1),
-                           target, tokens, out, 256, {})
+                           target, tokens, out)
         man = read_manifest(out)
         assert man["aux_layer_ids"] == [1, n // 2 - 1, n - 4] and man["hidden_size"] == 64
         rows = pq.read_table(sorted(out.glob("shard-*.parquet"))).to_pylist()
@@ -99,7 +100,7 @@ def test_manifest_and_vocab(pipeline_run):
 
 def test_plan_estimate_close_to_actual(pipeline_run):
     from pipeline.plan import estimate_storage
-    from pipeline.schema import PipelineConfig
+    from pipeline.config import PipelineConfig
 
     cfg = PipelineConfig.model_validate_json((pipeline_run / "pipeline_config.json").read_text())
     plan = estimate_storage(cfg, pipeline_run / "tokenize/tokens.parquet")

@@ -5,9 +5,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import pipeline_tree, write_yaml
-from pipeline.config import load_config
+from pipeline.yaml_config import load_config
 from pipeline.ingest import mix_counts
-from pipeline.schema import PipelineConfig, Source
+from pipeline.config import PipelineConfig, Source
 
 GOOD = [
     {"id": f"good-{i}", "conversations": [{"from": "human", "value": f"What is {i} + {i}?"},
@@ -113,7 +113,7 @@ def test_mix_by_weight(tmp_path):
 
 def test_multi_source_mix_is_seeded(tmp_path, ray_cluster, tiny_target, shared_data):
     from pipeline.ingest import run_ingest
-    from pipeline.schema import Ingest
+    from pipeline.config import Ingest
 
     cfg = Ingest(sources=[{"path": shared_data / "chat/fastchat_dummy_conversation.sharegpt.json", "weight": 1},
                           {"path": shared_data / "chat/oasst1_zh_689.ultrachat.jsonl", "weight": 1}],

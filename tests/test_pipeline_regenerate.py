@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.regenerate import run_regenerate
-from pipeline.schema import Regenerate
+from pipeline.config import Regenerate
 
 
 def test_regenerate_greedy_matches_target_and_counts(tmp_path, ray_cluster, tiny_target):
@@ -43,7 +43,7 @@ def test_prompt_only_records_are_answered_and_bad_records_counted(tmp_path, ray_
     it; the target then writes each answer. A record the chat template cannot render is counted with its
     reason and dropped (it has no answer of its own to keep); the run goes on."""
     from pipeline.ingest import run_ingest
-    from pipeline.schema import Ingest
+    from pipeline.config import Ingest
 
     src = shared_data / "chat" / "sharegpt_v3_first_turn_prompts_500.sharegpt.json"
     ing = Ingest(sources=[{"path": str(src), "format": "sharegpt"}])

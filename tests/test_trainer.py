@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import write_yaml
-from pipeline.config import load_config
+from pipeline.yaml_config import load_config
 from trainer.config import TrainConfig
 
 pytestmark = pytest.mark.slow
@@ -77,17 +77,15 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, ray_cluster, pipelin
 
 
 def test_shards_from_another_target_are_refused(tmp_path, pipeline_run, tiny_target):
-    from transformers import AutoConfig, AutoTokenizer
-
     from pipeline.shards import read_manifest
+    from pipeline.target import TargetSpec
     from test_pipeline_capture import make_random_target
     from trainer.data import check_manifest
 
     other = make_random_target("qwen3", tiny_target, tmp_path / "other")
     man = read_manifest(pipeline_run / "capture")
     with pytest.raises(ValueError, match="manifest field target_config_sha256"):
-        check_manifest(man, other, AutoTokenizer.from_pretrained(other), AutoConfig.from_pretrained(other))
+        check_manifest(man, TargetSpec.read(other))
     bad = dict(man, hidden_size=128)
     with pytest.raises(ValueError, match="manifest field hidden_size is 128"):
-        check_manifest(bad, tiny_target, AutoTokenizer.from_pretrained(tiny_target),
-                       AutoConfig.from_pretrained(tiny_target))
+        check_manifest(bad, TargetSpec.read(tiny_target))

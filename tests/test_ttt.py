@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from trainer.head import Eagle3Head
-from trainer.ttt import (shift_left, simulated_tau, step_loss, ttt_attention, ttt_attention_mask, ttt_positions)
+from trainer.ttt import (TTTObjective, shift_left, simulated_tau, step_loss, ttt_attention, ttt_attention_mask,
+                         ttt_positions)
 
 # Step 3, T=6, hand-written: keys are step 0 (causal), then steps 1, 2, 3 (same position only).
 STEP3 = [
@@ -110,7 +111,7 @@ def test_batched_loss_equals_naive_loop():
     p = torch.softmax(tlogits[..., head.t2d], -1)
     am = tlogits.argmax(-1)
     mask = torch.randint(0, 2, (b, t))
-    got = head(aux, emb, p, am, mask, steps, 0.8)
+    got = TTTObjective(head, steps, 0.8)(aux, emb, p, am, mask)
     want = naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8)
     assert abs(got["loss"].item() - want.item()) < 1e-5 and want.item() > 0
     # And the per-step loss helper matches the formula on one step.

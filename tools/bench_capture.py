@@ -17,17 +17,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.capture import capture_rows, make_signature, micro_batches
+from pipeline.buckets import length_buckets
+from pipeline.capture import capture_rows, make_signature
 from pipeline.target import load_model
 from pipeline.plan import estimate_storage
-from pipeline.schema import PipelineConfig
+from pipeline.config import PipelineConfig
 from pipeline.shards import read_manifest, write_shard
+from pipeline.tokenize import tokens_max_length
 
 
 def bare_forward(model, rows, batch_tokens: int, pad_id: int) -> float:
     lengths = [len(r["input_ids"]) for r in rows]
     t = 0.0
-    for group in micro_batches(lengths, batch_tokens):
+    for group in length_buckets(lengths, batch_tokens, longest_first=True):
         width = lengths[group[0]]
         ids = torch.full((len(group), width), pad_id, dtype=torch.long)
         att = torch.zeros_like(ids)
@@ -57,7 +59,7 @@ def main(argv=None) -> dict:
     tokens = sum(len(r["input_ids"]) for r in rows)
     model, device = load_model(args.target, cfg.capture.model_dtype, False)
     pad = model.config.pad_token_id or 0
-    sig = make_signature(Path(args.target), cfg.capture, cfg.tokenize.max_length)
+    sig = make_signature(Path(args.target), cfg.capture, tokens_max_length(data / "tokenize/tokens.parquet"))
     fwd, cap = [], []
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.repeats + 1):  # first round warms up

@@ -46,7 +46,7 @@ def timed(engine, prompts: list[list[int]], batch: int) -> tuple[list[list[int]]
 
 def main(argv=None) -> dict:
     from pipeline.regenerate import HFRegenerator, VllmRegenerator
-    from pipeline.schema import Regenerate
+    from pipeline.config import Regenerate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))

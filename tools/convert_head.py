@@ -12,7 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from trainer.export import FORMATS, export_head, import_head
+from pipeline.target import TargetSpec
+from trainer.export import FORMATS, convert_head
 
 
 def main(argv=None) -> Path:
@@ -22,12 +23,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--format", choices=FORMATS, required=True)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    tconf = json.loads((args.target / "config.json").read_text())
-    tconf = tconf.get("text_config") or tconf
-    n_layers = tconf["num_hidden_layers"]
-    state, cfg, aux = import_head(args.src, n_layers)
-    out = export_head(state, cfg, aux, n_layers, args.out, args.format, str(args.target),
-                      (tconf.get("architectures") or ["LlamaForCausalLM"])[0])
+    out, aux = convert_head(args.src, TargetSpec.read(args.target), args.out, args.format)
     print(json.dumps({"src": str(args.src), "out": str(out), "format": args.format, "aux_layer_ids": aux}))
     return out
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from infer.serve import ServeConfig, start
-from pipeline.config import load_or_exit
+from pipeline.yaml_config import load_or_exit
 
 
 def main(argv=None) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ExistingPath, StrictModel, load_or_exit
+from pipeline.yaml_config import ExistingPath, StrictModel, load_or_exit
 from pipeline.formats import load_conversations
 
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]

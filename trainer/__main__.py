@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from pipeline.cluster import ensure_ray  # noqa: F401  (sets the Ray env defaults before ray is imported)
-from pipeline.config import config_arguments, errors_exit, load_or_exit
+import pipeline.cluster  # noqa: F401  (sets the Ray env defaults before ray is imported)
+from pipeline.yaml_config import config_arguments, errors_exit, load_or_exit
 from trainer.config import TrainConfig
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.config import ExistingPath, StrictModel
+from pipeline.yaml_config import ExistingPath, StrictModel
 
 
 class Data(StrictModel):

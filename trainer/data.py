@@ -6,8 +6,6 @@ from (seed, epoch, pool): the order is a pure function of the stream, so a resum
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from pathlib import Path
 from typing import Iterator
@@ -18,36 +16,25 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from pipeline.buckets import length_buckets
 from pipeline.codec import from_bytes
-from pipeline.shards import read_manifest, sha256_file
-from pipeline.target import resolve_aux_layers, text_config
+from pipeline.shards import first_mismatch, read_manifest
+from pipeline.target import TargetSpec
 
 
-def check_manifest(manifest: dict, target: Path, tokenizer, tcfg) -> None:
+def check_manifest(manifest: dict, spec: TargetSpec) -> None:
     """Refuse shards captured from another target: the message names the field that disagrees."""
-    tcfg = text_config(tcfg)
-
-    tmpl = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
-        tokenizer.chat_template, sort_keys=True)
-    checks = [
-        ("hidden_size", manifest.get("hidden_size"), tcfg.hidden_size),
-        ("num_layers", manifest.get("num_layers"), tcfg.num_hidden_layers),
-        ("vocab_size", manifest.get("vocab_size"), len(tokenizer)),
-        ("chat_template_sha256", manifest.get("chat_template_sha256"), hashlib.sha256(tmpl.encode()).hexdigest()),
-        ("target_config_sha256", manifest.get("target_config_sha256"), sha256_file(Path(target) / "config.json")),
-    ]
-    if "target_weights_id" in manifest:  # manifests before this field: config and template checks only
-        from pipeline.target import weights_id
-
-        checks.append(("target_weights_id", manifest["target_weights_id"], weights_id(target)))
-    for field, got, want in checks:
-        if got != want:
-            raise ValueError(f"shards do not match the target {target}: manifest field {field} is {got!r}, "
-                             f"the target has {want!r}")
+    expected = spec.identity()
+    if "target_weights_id" not in manifest:  # manifests before this field: config and template checks only
+        expected.pop("target_weights_id")
+    field = first_mismatch(manifest, expected)
+    if field is not None:
+        raise ValueError(f"shards do not match the target {spec.path}: manifest field {field} is "
+                         f"{manifest.get(field)!r}, the target has {expected[field]!r}")
     try:
-        resolve_aux_layers(tcfg.num_hidden_layers, manifest.get("aux_layer_ids") or [], "manifest aux_layer_ids")
+        spec.aux_layers(manifest.get("aux_layer_ids") or [], "manifest aux_layer_ids")
     except ValueError as e:
-        raise ValueError(f"shards do not match the target {target}: {e}") from None
+        raise ValueError(f"shards do not match the target {spec.path}: {e}") from None
 
 
 def shard_files(shard_dir: Path) -> list[str]:
@@ -76,16 +63,7 @@ def drop_ids(batch: pa.Table, ids: list[str]) -> pa.Table:
 def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random.Random) -> list[list[int]]:
     """Pure: indices of a pool grouped by length into padded batches (<= max_tokens, <= max_rows),
     batch order shuffled by rng."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches, cur = [], []
-    for i in order:
-        width = lengths[i]  # ascending order: the newest row is the widest
-        if cur and (width * (len(cur) + 1) > max_tokens or len(cur) >= max_rows):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
+    batches = length_buckets(lengths, max_tokens, max_rows)
     rng.shuffle(batches)
     return batches
 

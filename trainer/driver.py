@@ -15,11 +15,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.shards import read_manifest
-from pipeline.target import text_config
+from pipeline.target import TargetSpec
 from pipeline.vocab import load_draft_vocab
 from trainer.config import TrainConfig
 from trainer.data import check_manifest, drop_ids, plan_batches, shard_files, val_rows
-from trainer.export import FORMATS, check_exportable, export_head, import_head
+from trainer.export import FORMATS, check_exportable, convert_head
 
 RUN_NAME = "train"
 
@@ -80,7 +80,6 @@ def run_training(cfg: TrainConfig) -> dict:
     import ray
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from transformers import AutoConfig, AutoTokenizer
 
     from pipeline.cluster import ensure_ray, quiet_ray_data
     from trainer.loop import train_loop_per_worker
@@ -94,10 +93,9 @@ def run_training(cfg: TrainConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "progress.json").unlink(missing_ok=True)
     manifest = read_manifest(cfg.data.shards)
-    tcfg = AutoConfig.from_pretrained(cfg.target)
-    check_manifest(manifest, cfg.target, AutoTokenizer.from_pretrained(cfg.target), tcfg)
-    check_exportable(manifest["aux_layer_ids"], text_config(tcfg).num_hidden_layers,
-                     list(cfg.export_formats))
+    spec = TargetSpec.read(cfg.target)
+    check_manifest(manifest, spec)
+    check_exportable(manifest["aux_layer_ids"], spec.num_layers, list(cfg.export_formats))
     d2t, t2d = load_draft_vocab(cfg.data.shards)
     held_out = set(val_rows(cfg.data.shards, cfg.data.val_rows)["id"].to_pylist()) if cfg.data.val_rows else set()
     total = estimate_total_steps(cfg, held_out)
@@ -134,19 +132,14 @@ def run_training(cfg: TrainConfig) -> dict:
         stop.set()
         bar.join(timeout=5)
     wall = time.time() - t0
-    return finish(cfg, manifest, tcfg, wall)
+    return finish(cfg, manifest, spec, wall)
 
 
-def finish(cfg: TrainConfig, manifest: dict, tcfg, wall: float) -> dict:
+def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> dict:
     """Export the best head in every configured format and write report.json."""
     out_dir = cfg.out_dir
-    tcfg = text_config(tcfg)
-    state, hcfg, _ = import_head(out_dir / "best", tcfg.num_hidden_layers)
-    exports = {}
-    for fmt in cfg.export_formats:
-        exports[fmt] = str(export_head(state, hcfg, manifest["aux_layer_ids"], tcfg.num_hidden_layers,
-                                       out_dir / f"head_{fmt}", fmt, str(cfg.target),
-                                       (tcfg.architectures or ["LlamaForCausalLM"])[0]))
+    exports = {fmt: str(convert_head(out_dir / "best", spec, out_dir / f"head_{fmt}", fmt,
+                                     manifest["aux_layer_ids"])[0]) for fmt in cfg.export_formats}
     history = json.loads((out_dir / "history.json").read_text()) if (out_dir / "history.json").is_file() else []
     train_recs = [h for h in history if "loss" in h]
     evals = [h for h in history if "sim_tau" in h]

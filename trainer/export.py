@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.target import default_aux_layers, resolve_aux_layers
+from pipeline.target import TargetSpec, default_aux_layers, resolve_aux_layers
 from trainer.head import HeadConfig
 
 LAYER_KEYS = ["hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -72,15 +72,16 @@ def _llama_fields(cfg: HeadConfig) -> dict:
             "tie_word_embeddings": False, "torch_dtype": "float32"}
 
 
-def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], num_target_layers: int, out: Path,
-                fmt: str, target_name: str = "", target_arch: str = "LlamaForCausalLM") -> Path:
-    """Write a head folder (config.json + model.safetensors) in `fmt`."""
+def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], target: TargetSpec, out: Path,
+                fmt: str) -> Path:
+    """Write a head folder (config.json + model.safetensors) in `fmt` for `target` (its layer count checks
+    the aux ids; speculators configs name it as the verifier)."""
     state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     check_keys(state, "export")
     for k, shape in expected_shapes(cfg).items():
         if tuple(state[k].shape) != shape:
             raise ValueError(f"export: {k} has shape {tuple(state[k].shape)}, expected {shape}")
-    check_exportable(aux_layer_ids, num_target_layers, [fmt])
+    check_exportable(aux_layer_ids, target.num_layers, [fmt])
     out.mkdir(parents=True, exist_ok=True)
     ht = cfg.target_hidden_size
     aux = [int(j) for j in aux_layer_ids]
@@ -103,7 +104,7 @@ def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], num_targ
                     "algorithm": "eagle3", "default_proposal_method": "greedy",
                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
                                           "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                    "verifier": {"name_or_path": target_name, "architectures": [target_arch]}},
+                    "verifier": {"name_or_path": str(target.path), "architectures": [target.architecture]}},
                 "torch_dtype": "float32"}
         tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
     else:
@@ -165,6 +166,14 @@ def _sglang_file_aux(conf: dict, folder: Path) -> list[int] | None:
     if sglang is not None:
         return list(sglang)
     return [k - 1 for k in vllm] if vllm is not None else None
+
+
+def convert_head(src: Path, target: TargetSpec, out: Path, fmt: str, aux_layer_ids: list[int] | None = None):
+    """Read a head in either format and write it in `fmt` -> (folder, aux ids). Aux ids: the given ones,
+    else the source config's, else the default rule for the target's layer count."""
+    state, cfg, aux = import_head(src, target.num_layers)
+    aux = list(aux_layer_ids) if aux_layer_ids is not None else aux
+    return export_head(state, cfg, aux, target, out, fmt), aux
 
 
 def head_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:

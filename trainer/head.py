@@ -2,6 +2,8 @@
 
 Parameter names are exactly the SGLang checkpoint's (fc, midlayer.*, norm, lm_head, d2t, t2d), so a
 state_dict is an export. The target's embedding is not part of the head: callers pass embeddings in.
+This is the model only: decoding (infer/draft.py) and training (trainer/ttt.py's TTTObjective) own the
+attention pattern around `qkv` / `finish`.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pipeline.target import text_config
-from trainer.ttt import (shift_left, step_correct, step_loss, ttt_attention, step_weights)
 
 # RoPE types the exported head can declare in a Llama-style config (both engines implement these).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -182,41 +183,3 @@ class Eagle3Head(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))
-
-    def unroll(self, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int):
-        """The TTT steps over a padded batch (index rules in trainer/ttt.py): yields step s's logits
-        [B, T, Vd] for s = 0 .. ttt_length-1. aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids."""
-        b, t, _ = emb.shape
-        h = self.fc(aux)
-        causal = torch.full((t, t), float("-inf"), device=emb.device, dtype=h.dtype).triu(1)
-        attn_mod = self.midlayer.self_attn
-        keys, values = [], []
-        for s in range(ttt_length):
-            pos = (torch.arange(t, device=emb.device) + s).unsqueeze(0).expand(b, t)
-            q, k, v = self.qkv(h, shift_left(emb, 1 + s), pos)
-            keys.append(attn_mod.expand(k))
-            values.append(attn_mod.expand(v))
-            x = self.finish(h, ttt_attention(q, keys, values, causal))
-            yield self.logits(x)
-            h = x
-
-    def forward(self, aux: torch.Tensor, emb: torch.Tensor, target_p: torch.Tensor, target_argmax: torch.Tensor,
-                loss_mask: torch.Tensor, ttt_length: int, decay: float) -> dict:
-        """TTT loss over a padded batch. target_p [B,T,Vd] and target_argmax [B,T] at each position,
-        loss_mask [B,T]."""
-        total = aux.new_zeros((), dtype=torch.float32)
-        losses, correct, counted = [], [], []
-        weights = step_weights(ttt_length, decay)
-        for s, logits in enumerate(self.unroll(aux, emb, ttt_length)):
-            tgt_am = shift_left(target_argmax, 1 + s)
-            lm = shift_left(loss_mask, 2 + s).to(logits.dtype)
-            pm = lm * self.t2d[tgt_am].to(logits.dtype)
-            loss = step_loss(logits, shift_left(target_p, 1 + s), pm)
-            total = total + weights[s] * loss
-            losses.append(loss.detach())
-            with torch.no_grad():
-                ok = step_correct(logits, self.d2t, tgt_am) & lm.bool()
-                correct.append(ok.sum())
-                counted.append(lm.sum())
-        return {"loss": total, "step_loss": torch.stack(losses), "step_correct": torch.stack(correct).float(),
-                "step_count": torch.stack(counted).float()}

@@ -18,11 +18,11 @@ import torch
 from trainer.config import TrainConfig
 from trainer.data import collate, iter_micro_batches, val_rows
 from trainer.export import export_head, head_state
-from pipeline.target import text_config
+from pipeline.target import TargetSpec
 from trainer.head import Eagle3Head, head_config_from_target
 from trainer.warm_start import warm_start_state
 from trainer.target_parts import load_target_parts
-from trainer.ttt import simulated_tau, target_distribution
+from trainer.ttt import TTTObjective, simulated_tau, target_distribution
 
 STATE_FILE = "trainer_state.json"
 CKPT_TAG = "ckpt"
@@ -60,13 +60,13 @@ class HeadTrainer:
             torch.set_num_threads(cfg.scaling.threads_per_worker)
         torch.manual_seed(cfg.seed)
         parts = load_target_parts(cfg.target)
-        self.tcfg = text_config(parts.config)
+        self.spec = TargetSpec.read(cfg.target)
         self.aux_layer_ids = aux_layer_ids
-        hcfg = head_config_from_target(self.tcfg, len(d2t), cfg.model.intermediate_size)
+        hcfg = head_config_from_target(self.spec.config, len(d2t), cfg.model.intermediate_size)
         head = Eagle3Head(hcfg)
         if cfg.model.init_from is not None:
             from trainer.export import import_head
-            state, _, _ = import_head(cfg.model.init_from, self.tcfg.num_hidden_layers)
+            state, _, _ = import_head(cfg.model.init_from, self.spec.num_layers)
             state = warm_start_state(state, hcfg, d2t, parts.lm_weight)
             head.load_state_dict(state, strict=False)
         head.set_vocab(d2t, t2d)
@@ -74,34 +74,34 @@ class HeadTrainer:
         self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
         self.target = parts.to(self.device, self.compute_dtype)
         self.t2d = t2d.to(self.device)
-        self.engine = self._engine(head)
-        inv = self.engine.module.rotary.inv_freq
+        self.engine = self._engine(TTTObjective(head, cfg.model.ttt_length, cfg.model.decay))
+        self.head = self.engine.module.head
+        inv = self.head.rotary.inv_freq
         assert inv.dtype == torch.float32, f"head RoPE inv_freq is {inv.dtype} after engine init, must stay fp32"
 
-    def _engine(self, head):
+    def _engine(self, objective):
         import deepspeed
 
         if not self.cfg.scaling.use_gpu:
             skip_shm_build()
         o = self.cfg.optim
-        opt = torch.optim.AdamW(head.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        opt = torch.optim.AdamW(objective.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
         ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": o.grad_accum,
                   "gradient_clipping": o.grad_clip, "steps_per_print": 10 ** 9,
                   "zero_optimization": {"stage": self.cfg.deepspeed.zero_stage},
                   "bf16": {"enabled": self.cfg.deepspeed.dtype == "bf16"}, "zero_allow_untested_optimizer": True}
-        engine, _, _, _ = deepspeed.initialize(model=head.to(self.device), optimizer=opt, lr_scheduler=sched,
+        engine, _, _, _ = deepspeed.initialize(model=objective.to(self.device), optimizer=opt, lr_scheduler=sched,
                                                config=ds_cfg)
         return engine
 
     def forward(self, rows: list[dict]) -> tuple[dict, int]:
-        b = collate(rows, self.storage_dtype, self.tcfg.hidden_size)
+        b = collate(rows, self.storage_dtype, self.spec.hidden_size)
         ids, mask = b["input_ids"].to(self.device), b["loss_mask"].to(self.device)
         with torch.no_grad():
             emb = self.target.embed(ids)
             p, am = target_distribution(self.target.logits(b["last"].to(self.device)), self.t2d)
-        out = self.engine(b["aux"].to(self.device, self.compute_dtype), emb, p, am, mask,
-                          self.cfg.model.ttt_length, self.cfg.model.decay)
+        out = self.engine(b["aux"].to(self.device, self.compute_dtype), emb, p, am, mask)
         return out, sum(len(r["input_ids"]) for r in rows)
 
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -136,18 +136,17 @@ class HeadTrainer:
     def gathered_state(self) -> dict:
         import deepspeed
 
-        params = list(self.engine.module.parameters())
+        params = list(self.head.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.deepspeed.zero_stage == 3):
             return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
-                    for k, v in head_state(self.engine.module).items()}
+                    for k, v in head_state(self.head).items()}
 
     def save_best(self, metrics: dict) -> None:
         state = self.gathered_state()  # every rank joins the gather under ZeRO-3
         if self.rank != 0:
             return
         out = Path(self.cfg.out_dir) / "best"
-        export_head(state, self.hcfg, self.aux_layer_ids, self.tcfg.num_hidden_layers, out, "sglang",
-                    str(self.cfg.target), (self.tcfg.architectures or ["LlamaForCausalLM"])[0])
+        export_head(state, self.hcfg, self.aux_layer_ids, self.spec, out, "sglang")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
 
 

@@ -8,6 +8,7 @@ It attends to step-0 keys 0..i (causal) and to its own position's keys from step
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -81,3 +82,56 @@ def simulated_tau(step_acc: list[float]) -> float:
 
 def step_weights(ttt_length: int, decay: float) -> list[float]:
     return [decay ** s for s in range(ttt_length)]
+
+
+def ttt_unroll(head, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int):
+    """The TTT steps of an Eagle3Head over a padded batch (index rules above): yields step s's logits
+    [B, T, Vd] for s = 0 .. ttt_length-1. aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids."""
+    b, t, _ = emb.shape
+    h = head.fc(aux)
+    causal = torch.full((t, t), float("-inf"), device=emb.device, dtype=h.dtype).triu(1)
+    attn_mod = head.midlayer.self_attn
+    keys, values = [], []
+    for s in range(ttt_length):
+        pos = (torch.arange(t, device=emb.device) + s).unsqueeze(0).expand(b, t)
+        q, k, v = head.qkv(h, shift_left(emb, 1 + s), pos)
+        keys.append(attn_mod.expand(k))
+        values.append(attn_mod.expand(v))
+        x = head.finish(h, ttt_attention(q, keys, values, causal))
+        yield head.logits(x)
+        h = x
+
+
+class TTTObjective(nn.Module):
+    """The training objective around a head (what the DeepSpeed engine wraps): forward = the weighted TTT
+    loss plus per-step metrics. Parameters are the head's under the `head.` prefix."""
+
+    def __init__(self, head: nn.Module, ttt_length: int, decay: float):
+        super().__init__()
+        self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
+        self._register_load_state_dict_pre_hook(_add_head_prefix)
+
+    def forward(self, aux: torch.Tensor, emb: torch.Tensor, target_p: torch.Tensor, target_argmax: torch.Tensor,
+                loss_mask: torch.Tensor) -> dict:
+        """target_p [B,T,Vd] and target_argmax [B,T] at each position, loss_mask [B,T]."""
+        total = aux.new_zeros((), dtype=torch.float32)
+        losses, correct, counted = [], [], []
+        for s, logits in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length)):
+            tgt_am = shift_left(target_argmax, 1 + s)
+            lm = shift_left(loss_mask, 2 + s).to(logits.dtype)
+            pm = lm * self.head.t2d[tgt_am].to(logits.dtype)
+            loss = step_loss(logits, shift_left(target_p, 1 + s), pm)
+            total = total + self.weights[s] * loss
+            losses.append(loss.detach())
+            with torch.no_grad():
+                ok = step_correct(logits, self.head.d2t, tgt_am) & lm.bool()
+                correct.append(ok.sum())
+                counted.append(lm.sum())
+        return {"loss": total, "step_loss": torch.stack(losses), "step_correct": torch.stack(correct).float(),
+                "step_count": torch.stack(counted).float()}
+
+
+def _add_head_prefix(state: dict, prefix: str, *_args) -> None:
+    """Checkpoints written before the objective existed hold the head's names bare: read them as `head.*`."""
+    for k in [k for k in state if k.startswith(prefix) and not k.startswith(prefix + "head.")]:
+        state[prefix + "head." + k[len(prefix):]] = state.pop(k)
