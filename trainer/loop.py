@@ -22,7 +22,7 @@ from pipeline.target import TargetSpec
 from trainer.head import Eagle3Head, head_config_from_target
 from trainer.warm_start import warm_start_state
 from trainer.target_parts import load_target_parts
-from trainer.ttt import TTTObjective, simulated_tau, target_distribution
+from trainer.ttt import StepSums, TTTObjective, target_distribution
 
 STATE_FILE = "trainer_state.json"
 CKPT_TAG = "ckpt"
@@ -114,24 +114,15 @@ class HeadTrainer:
 
     def evaluate(self, rows: list[dict]) -> dict:
         mine = rows[self.rank::self.world]
-        L = self.cfg.model.ttt_length
-        sums = torch.zeros(3 * L + 1)
+        sums = StepSums(self.cfg.model.ttt_length)
         self.engine.eval()
         with torch.no_grad():
-            for i in range(0, max(len(mine), 1), 8):
-                chunk = mine[i:i + 8]
-                if not chunk:
-                    break
-                out, _ = self.forward(chunk)
-                sums[:L] += out["step_loss"].float().cpu() * len(chunk)
-                sums[L:2 * L] += out["step_correct"].cpu()
-                sums[2 * L:3 * L] += out["step_count"].cpu()
-                sums[3 * L] += len(chunk)
+            for i in range(0, len(mine), 8):
+                out, _ = self.forward(mine[i:i + 8])
+                sums.add(out, weight=len(mine[i:i + 8]))
         self.engine.train()
-        sums = self.all_sum(sums)
-        acc = (sums[L:2 * L] / sums[2 * L:3 * L].clamp(min=1)).tolist()
-        return {"val_loss": (sums[:L] / sums[3 * L].clamp(min=1)).tolist(), "val_acc": acc,
-                "sim_tau": simulated_tau(acc)}
+        m = sums.metrics(self.all_sum(sums.t))
+        return {"val_loss": m["loss"], "val_acc": m["acc"], "sim_tau": m["sim_tau"]}
 
     def gathered_state(self) -> dict:
         import deepspeed
@@ -155,27 +146,21 @@ class MetricWindow:
 
     def __init__(self, ttt_length: int):
         self.L = ttt_length
-        self.sums = torch.zeros(3 * ttt_length + 2)
+        self.sums = StepSums(ttt_length)
         self.t0, self.steps = time.time(), 0
 
     def add(self, out: dict, tokens: int) -> None:
-        L = self.L
-        self.sums[:L] += out["step_loss"].float().cpu()
-        self.sums[L:2 * L] += out["step_correct"].cpu()
-        self.sums[2 * L:3 * L] += out["step_count"].cpu()
-        self.sums[3 * L] += 1
-        self.sums[3 * L + 1] += tokens
+        self.sums.add(out, tokens=tokens)
 
     def record(self, run: HeadTrainer, step: int, epoch: int) -> dict:
         """All ranks' sums -> one log record; the window starts over."""
-        L, w = self.L, run.all_sum(self.sums)
+        m = self.sums.metrics(run.all_sum(self.sums.t))
         secs = max(time.time() - self.t0, 1e-9)
-        acc = (w[L:2 * L] / w[2 * L:3 * L].clamp(min=1)).tolist()
-        rec = {"step": step, "epoch": epoch, "loss": (w[:L] / w[3 * L]).tolist(), "acc": acc,
+        rec = {"step": step, "epoch": epoch, "loss": m["loss"], "acc": m["acc"],
                "lr": run.engine.get_lr()[0], "grad_norm": float(run.engine.get_global_grad_norm() or 0.0),
-               "tokens_per_s": float(w[3 * L + 1]) / secs, "step_s": secs / max(1, self.steps),
-               "sim_tau_train": simulated_tau(acc)}
-        self.sums.zero_()
+               "tokens_per_s": m["tokens"] / secs, "step_s": secs / max(1, self.steps),
+               "sim_tau_train": m["sim_tau"]}
+        self.sums = StepSums(self.L)
         self.t0, self.steps = time.time(), 0
         return rec
 

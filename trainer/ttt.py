@@ -80,6 +80,30 @@ def simulated_tau(step_acc: list[float]) -> float:
     return tau
 
 
+class StepSums:
+    """Per-TTT-step sums of the objective's outputs in one flat tensor (so ranks all-reduce it in one call):
+    loss x weight, correct, counted for each step, then total weight and tokens."""
+
+    def __init__(self, ttt_length: int):
+        self.L = ttt_length
+        self.t = torch.zeros(3 * ttt_length + 2)
+
+    def add(self, out: dict, weight: float = 1.0, tokens: int = 0) -> None:
+        L = self.L
+        self.t[:L] += out["step_loss"].detach().float().cpu() * weight
+        self.t[L:2 * L] += out["step_correct"].detach().cpu()
+        self.t[2 * L:3 * L] += out["step_count"].detach().cpu()
+        self.t[3 * L] += weight
+        self.t[3 * L + 1] += tokens
+
+    def metrics(self, t: torch.Tensor | None = None) -> dict:
+        """Mean loss and accuracy per step and the simulated tau, from these sums or reduced ones `t`."""
+        L, t = self.L, self.t if t is None else t
+        acc = (t[L:2 * L] / t[2 * L:3 * L].clamp(min=1)).tolist()
+        return {"loss": (t[:L] / t[3 * L].clamp(min=1e-9)).tolist(), "acc": acc, "sim_tau": simulated_tau(acc),
+                "tokens": float(t[3 * L + 1])}
+
+
 def step_weights(ttt_length: int, decay: float) -> list[float]:
     return [decay ** s for s in range(ttt_length)]
 
