@@ -8,7 +8,6 @@ The deployment is a module-level class sized by `.options()` from the YAML. No p
 FastAPI must see the handlers' real parameter types. The application is importable for `serve run infer.serve:app_from_env` too (config in $EAGLERAY_SERVE_CONFIG).
 """
 import asyncio
-import json
 import os
 import time
 import uuid
@@ -80,8 +79,8 @@ api = make_api()
 class EagleServer:
     """One replica: the generator, decoding one request at a time (sized by `build_application`)."""
 
-    def __init__(self, conf: dict):
-        self.cfg = ServeConfig.model_validate(conf)
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
         # All torch work of the replica runs on this one thread, loading included: CPU torch ops run
         # from a second thread after the first has used the OpenMP pool measured 2-3x slower here.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="eagleray-decode")
@@ -213,7 +212,7 @@ def build_application(cfg: ServeConfig):
     return EagleServer.options(
         num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.num_cpus_per_replica, "num_gpus": cfg.num_gpus_per_replica},
-    ).bind(json.loads(cfg.model_dump_json()))
+    ).bind(cfg)
 
 
 def app_from_env(args: dict | None = None):

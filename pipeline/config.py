@@ -63,7 +63,7 @@ class Regenerate(StrictModel):
     num_actors: int = Field(1, gt=0)
     num_cpus_per_actor: float = Field(1, ge=0)
     num_gpus_per_actor: float = Field(0, ge=0)
-    threads_per_actor: int | None = None  # torch threads of an hf actor
+    threads_per_actor: int | None = None  # torch threads of an actor (either engine); None: Ray's = num_cpus
     on_error: Literal["keep_original", "drop"] = "keep_original"
 
 

@@ -45,9 +45,13 @@ class TurnRegenerator:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        # Ray starts an actor with OMP_NUM_THREADS = its logical CPUs (1 here): without this an engine
+        # runs one thread whatever cores the node has (measured: vLLM at 100% of one core of two).
+        if cfg.threads_per_actor:
+            torch.set_num_threads(cfg.threads_per_actor)
         self.tok = AutoTokenizer.from_pretrained(target)
         self.kw = chat.kwargs()
-        self.max_len = TargetSpec.read(target).max_positions
+        self.max_len = self.context_length(target)
         self.stop_ids = self.eos_ids(target)
 
     def eos_ids(self, target: str) -> set[int]:
@@ -59,6 +63,9 @@ class TurnRegenerator:
             eos = None
         eos = eos if eos is not None else self.tok.eos_token_id
         return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    def context_length(self, target: str) -> int:
+        return TargetSpec.read(target).max_positions
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Prompt token ids -> answer token ids (cut before the first end-of-sequence token)."""
@@ -138,8 +145,6 @@ class HFRegenerator(TurnRegenerator):
         super().__init__(target, cfg, chat)
         from pipeline.target import load_model
 
-        if self.cfg.threads_per_actor:
-            torch.set_num_threads(self.cfg.threads_per_actor)
         self.model, self.device = load_model(target, "auto", self.cfg.num_gpus_per_actor > 0)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
 

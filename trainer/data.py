@@ -37,14 +37,13 @@ def check_manifest(manifest: dict, spec: TargetSpec) -> None:
         raise ValueError(f"shards do not match the target {spec.path}: {e}") from None
 
 
-def shard_files(shard_dir: Path) -> list[str]:
-    man = read_manifest(shard_dir)
+def shard_files(shard_dir: Path, manifest: dict | None = None) -> list[str]:
+    man = manifest if manifest is not None else read_manifest(shard_dir)
     return [str(Path(shard_dir) / s["file"]) for s in man["shards"]]
 
 
-def val_rows(shard_dir: Path, n: int) -> pa.Table:
-    """The last n rows of the run (held out from training)."""
-    files = shard_files(shard_dir)
+def val_rows(files: list[str], n: int) -> pa.Table:
+    """The last n rows of the run's shard files (held out from training)."""
     tables = []
     for f in reversed(files):
         if n <= 0:

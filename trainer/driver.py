@@ -24,14 +24,14 @@ from trainer.export import FORMATS, check_exportable, convert_head
 RUN_NAME = "train"
 
 
-def estimate_total_steps(cfg: TrainConfig, held_out: set[str]) -> int:
+def estimate_total_steps(cfg: TrainConfig, files: list[str], held_out: set[str]) -> int:
     """Optimizer steps for the LR schedule: the bucketing plan replayed on the shards' lengths."""
     if cfg.max_steps:
         return cfg.max_steps
     import random
 
     lengths = []
-    for f in shard_files(cfg.data.shards):
+    for f in files:
         t = pq.read_table(f, columns=["id", "input_ids"])
         lengths += [len(x) for rid, x in zip(t["id"].to_pylist(), t["input_ids"].to_pylist()) if rid not in held_out]
     per_worker = math.ceil(len(lengths) / cfg.scaling.num_workers)
@@ -97,13 +97,14 @@ def run_training(cfg: TrainConfig) -> dict:
     check_manifest(manifest, spec)
     check_exportable(manifest["aux_layer_ids"], spec.num_layers, list(cfg.export_formats))
     d2t, t2d = load_draft_vocab(cfg.data.shards)
-    held_out = set(val_rows(cfg.data.shards, cfg.data.val_rows)["id"].to_pylist()) if cfg.data.val_rows else set()
-    total = estimate_total_steps(cfg, held_out)
+    files = shard_files(cfg.data.shards, manifest)
+    held_out = set(val_rows(files, cfg.data.val_rows)["id"].to_pylist()) if cfg.data.val_rows else set()
+    total = estimate_total_steps(cfg, files, held_out)
     print(f"trainer: {ensure_ray(cfg.ray_address)}; {manifest['rows']} rows, {manifest['tokens']} tokens; "
           f"{total} optimizer steps on {cfg.scaling.num_workers} worker(s), ZeRO-{cfg.deepspeed.zero_stage}",
           flush=True)
     quiet_ray_data()
-    ds = ray.data.read_parquet(shard_files(cfg.data.shards))
+    ds = ray.data.read_parquet(files)
     if held_out:
         ds = ds.map_batches(drop_ids, batch_format="pyarrow", fn_kwargs={"ids": sorted(held_out)})
     storage = out_dir / "ray"
@@ -113,7 +114,7 @@ def run_training(cfg: TrainConfig) -> dict:
     exec_opts = ray.data.ExecutionOptions(preserve_order=True)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": json.loads(cfg.model_dump_json()), "total_steps": total, "d2t": d2t, "t2d": t2d,
+        train_loop_config={"cfg": cfg, "files": files, "total_steps": total, "d2t": d2t, "t2d": t2d,
                            "aux_layer_ids": manifest["aux_layer_ids"], "storage_dtype": manifest["dtype"]},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),

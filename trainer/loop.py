@@ -177,7 +177,7 @@ class TrainLoop:
         self.total = config["total_steps"]
         self.run = HeadTrainer(cfg, self.total, config["d2t"], config["t2d"], config["aux_layer_ids"],
                                config["storage_dtype"])
-        self.val = val_rows(Path(cfg.data.shards), cfg.data.val_rows).to_pylist() if cfg.data.val_rows else []
+        self.val = val_rows(config["files"], cfg.data.val_rows).to_pylist() if cfg.data.val_rows else []
         self.state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
         ckpt = ray.train.get_checkpoint()
         if ckpt:
