@@ -62,34 +62,47 @@ def capture_rows(model, device: str, rows: list[dict], layer_ids: list[int], dty
 
 
 class CaptureWorker:
-    """Ray Data actor: one target copy; each input row names a shard (index, start, end) to write."""
+    """Ray Data actor: one target copy; each input row names a shard (index, start, end) of the tokens.
+    mode "write": write the shard, return its counts (the pipeline's capture stage); "stream": return the
+    shard's rows, hidden states included, writing nothing (streamed training); "write_rows": both
+    (hybrid training's first epoch)."""
 
-    def __init__(self, target: str, cfg: Capture, tokens_path: str, out_dir: str, signature: dict):
-        self.cfg = cfg
+    def __init__(self, target: str, cfg: Capture, tokens_path: str, out_dir: str | None, signature: dict,
+                 mode: str = "write"):
+        self.cfg, self.mode = cfg, mode
         if self.cfg.threads_per_actor:
             torch.set_num_threads(self.cfg.threads_per_actor)
         self.model, self.device = load_model(target, self.cfg.model_dtype, self.cfg.num_gpus_per_actor > 0)
         check_logit_rule(self.model, signature["aux_layer_ids"])
         self.pad_id = self.model.config.pad_token_id or 0
         self.tokens = pq.read_table(tokens_path, columns=["id", "input_ids", "loss_mask", "n_tokens"])
-        self.out_dir, self.signature = Path(out_dir), signature
+        self.out_dir, self.signature = (Path(out_dir) if out_dir else None), signature
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch: dict):
+        if self.mode != "write":
+            tables = [self.shard(int(i), int(s), int(e))[0] for i, s, e in zip(batch["index"], batch["start"], batch["end"])]
+            return pa.concat_tables(tables)
         out = {k: [] for k in ("shard", "rows", "tokens", "bytes", "forward_s", "total_s")}
         for index, start, end in zip(batch["index"], batch["start"], batch["end"]):
             t0 = time.perf_counter()
-            part = self.tokens.slice(int(start), int(end) - int(start))
-            rows = part.to_pylist()
-            table, fwd = capture_rows(self.model, self.device, rows, self.signature["aux_layer_ids"],
-                                      self.cfg.dtype, self.cfg.batch_tokens, self.pad_id)
-            n_tok = int(sum(r["n_tokens"] for r in rows))
-            meta = dict(self.signature, shard=int(index), rows=len(rows), tokens=n_tok,
-                        input_digest=rows_digest([r["id"] for r in rows], [r["n_tokens"] for r in rows]))
-            nbytes = write_shard(table, self.out_dir / shard_name(int(index)), meta, self.cfg.compression_level)
-            for k, v in (("shard", int(index)), ("rows", len(rows)), ("tokens", n_tok), ("bytes", nbytes),
-                         ("forward_s", fwd), ("total_s", time.perf_counter() - t0)):
+            table, fwd, nbytes = self.shard(int(index), int(start), int(end))
+            for k, v in (("shard", int(index)), ("rows", table.num_rows), ("bytes", nbytes), ("forward_s", fwd),
+                         ("tokens", int(sum(map(len, table["input_ids"].to_pylist())))),
+                         ("total_s", time.perf_counter() - t0)):
                 out[k].append(v)
         return out
+
+    def shard(self, index: int, start: int, end: int) -> tuple[pa.Table, float, int]:
+        """Capture token rows [start, end) -> (shard table, forward seconds, bytes written or 0)."""
+        rows = self.tokens.slice(start, end - start).to_pylist()
+        table, fwd = capture_rows(self.model, self.device, rows, self.signature["aux_layer_ids"],
+                                  self.cfg.dtype, self.cfg.batch_tokens, self.pad_id)
+        nbytes = 0
+        if self.mode != "stream":
+            meta = dict(self.signature, shard=index, rows=len(rows), tokens=int(sum(r["n_tokens"] for r in rows)),
+                        input_digest=rows_digest([r["id"] for r in rows], [r["n_tokens"] for r in rows]))
+            nbytes = write_shard(table, self.out_dir / shard_name(index), meta, self.cfg.compression_level)
+        return table, fwd, nbytes
 
 
 def make_signature(target: Path, cfg: Capture, max_length: int) -> dict:
@@ -138,34 +151,47 @@ def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, pr
     t0 = time.perf_counter()
     results = []
     if todo:
-        check_actor_cpus("capture.num_cpus_per_actor", min(cfg.num_actors, len(todo)), cfg.num_cpus_per_actor)
-        items = [{"index": i, "start": s, "end": e} for i, s, e in todo]
-        ds = ray.data.from_items(items, override_num_blocks=len(items))
-        ds = ds.map_batches(
-            CaptureWorker, batch_size=1, batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
-            num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
-            fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
-                                       out_dir=str(out_dir), signature=signature))
-        results = ds.take_all()
+        results = capture_dataset(cfg, target, tokens_path, todo, signature, out_dir, "write").take_all()
     wall = time.perf_counter() - t0
+    manifest = write_manifest(out_dir, ranges, signature, target, provenance)
+    fwd = sum(r["forward_s"] for r in results)
+    total = sum(r["total_s"] for r in results)
+    return {"shards": len(ranges), "captured": len(todo), "skipped_complete": len(done), "rows": manifest["rows"],
+            "tokens": manifest["tokens"], "bytes": manifest["bytes"],
+            "disk_vs_raw": round(manifest["bytes"] / max(1, manifest["raw_hidden_bytes"]), 4),
+            "wall_s": round(wall, 2), "forward_share": round(fwd / total, 3) if total else None}
+
+
+def write_manifest(out_dir: Path, ranges, signature: dict, target: Path, provenance: dict | None) -> dict:
+    """manifest.json over the complete shards of `ranges` (written last: a manifest means a complete run)."""
     shards = []
     for index, _, _ in ranges:
         path = out_dir / shard_name(index)
         meta = shard_meta(path)
         shards.append({"file": path.name, "rows": meta["rows"], "tokens": meta["tokens"],
                        "bytes": path.stat().st_size})
-    rows, toks = sum(s["rows"] for s in shards), sum(s["tokens"] for s in shards)
-    h = signature["hidden_size"]
-    width = bytes_per_token(cfg.dtype, 3 * h, 3) + bytes_per_token(cfg.dtype, h)
-    manifest = dict(signature, target=str(Path(target).resolve()), rows=rows, tokens=toks,
+    toks = sum(s["tokens"] for s in shards)
+    h, dtype = signature["hidden_size"], signature["dtype"]
+    width = bytes_per_token(dtype, 3 * h, 3) + bytes_per_token(dtype, h)
+    manifest = dict(signature, target=str(Path(target).resolve()), rows=sum(s["rows"] for s in shards), tokens=toks,
                     bytes=sum(s["bytes"] for s in shards), raw_hidden_bytes=toks * width, shards=shards,
                     pipeline_config=provenance or {})
     tmp = out_dir / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(out_dir / MANIFEST)
-    fwd = sum(r["forward_s"] for r in results)
-    total = sum(r["total_s"] for r in results)
-    return {"shards": len(ranges), "captured": len(todo), "skipped_complete": len(done), "rows": rows,
-            "tokens": toks, "bytes": manifest["bytes"], "disk_vs_raw": round(manifest["bytes"] / max(1, toks * width), 4),
-            "wall_s": round(wall, 2), "forward_share": round(fwd / total, 3) if total else None}
+    return manifest
+
+
+def capture_dataset(cfg: Capture, target: Path, tokens_path: Path, ranges, signature: dict,
+                    out_dir: Path | None = None, mode: str = "stream"):
+    """A Ray Data dataset over shard `ranges` from a pool of capture actors (`CaptureWorker` modes):
+    "stream" yields the rows with hidden states (SHARD_SCHEMA) in `ranges` order and writes nothing,
+    "write_rows" also writes each shard to out_dir, "write" writes and yields counts only."""
+    check_actor_cpus("capture.num_cpus_per_actor", min(cfg.num_actors, len(ranges)), cfg.num_cpus_per_actor)
+    items = [{"index": i, "start": s, "end": e} for i, s, e in ranges]
+    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        CaptureWorker, batch_size=1, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
+        num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
+        fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
+                                   out_dir=str(out_dir) if out_dir else None, signature=signature, mode=mode))

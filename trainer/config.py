@@ -4,18 +4,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipeline.yaml_config import ExistingPath, StrictModel
 
 
 class Data(StrictModel):
-    shards: ExistingPath                      # a capture folder: shard-*.parquet, manifest.json, draft_vocab
+    source: Literal["parquet", "stream", "hybrid"] = "parquet"  # trainer/sources.py; README "Training data"
+    shards: ExistingPath | None = None        # parquet: a capture folder (shard-*.parquet, manifest, draft_vocab)
+    pipeline: ExistingPath | None = None      # stream / hybrid: the pipeline YAML whose stages feed training
     max_tokens_per_batch: int = Field(4096, gt=0)  # padded tokens per micro-batch (length-bucketed)
     max_rows_per_batch: int = Field(16, gt=0)
     bucket_pool: int = Field(256, gt=0)       # rows gathered before bucketing by length
-    val_rows: int = Field(32, ge=0)           # held out (the last rows of the last shard) for eval metrics
+    val_rows: int = Field(32, ge=0)           # held out (the last rows of the run) for eval metrics
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _source_has_its_input(self):
+        if self.source == "parquet" and self.shards is None:
+            raise ValueError("shards: required when source is parquet (a capture folder)")
+        if self.source != "parquet" and self.pipeline is None:
+            raise ValueError(f"pipeline: required when source is {self.source} (the pipeline YAML)")
+        return self
 
 
 class Optim(StrictModel):

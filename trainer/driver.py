@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pipeline.shards import read_manifest
 from pipeline.target import TargetSpec
 from pipeline.vocab import load_draft_vocab
 from trainer.config import TrainConfig
-from trainer.data import check_manifest, drop_ids, plan_batches, shard_files, val_rows
+from trainer.data import check_manifest, plan_batches
+from trainer.sources import training_data
 from trainer.export import FORMATS, check_exportable, convert_head
 
 RUN_NAME = "train"
@@ -76,64 +76,72 @@ def _progress(out_dir: Path, total: int, stop: threading.Event) -> None:
     bar.close()
 
 
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """Workers run elsewhere (another cwd, another node with the same shared paths): absolute paths only."""
+    data = {k: getattr(cfg.data, k).resolve() for k in ("shards", "pipeline") if getattr(cfg.data, k)}
+    init = cfg.model.init_from.resolve() if cfg.model.init_from else None
+    return cfg.model_copy(update={"out_dir": cfg.out_dir.resolve(), "target": cfg.target.resolve(),
+                                  "data": cfg.data.model_copy(update=data),
+                                  "model": cfg.model.model_copy(update={"init_from": init})})
+
+
 def run_training(cfg: TrainConfig) -> dict:
     import ray
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     from pipeline.cluster import ensure_ray, quiet_ray_data
-    from trainer.loop import train_loop_per_worker
 
-    # Workers run elsewhere (another cwd, another node with the same shared paths): absolute paths only.
-    out_dir = cfg.out_dir.resolve()
-    init = cfg.model.init_from.resolve() if cfg.model.init_from else None
-    cfg = cfg.model_copy(update={"out_dir": out_dir, "target": cfg.target.resolve(),
-                                 "data": cfg.data.model_copy(update={"shards": cfg.data.shards.resolve()}),
-                                 "model": cfg.model.model_copy(update={"init_from": init})})
+    cfg = absolute_paths(cfg)
+    out_dir = cfg.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "progress.json").unlink(missing_ok=True)
-    manifest = read_manifest(cfg.data.shards)
-    spec = TargetSpec.read(cfg.target)
-    check_manifest(manifest, spec)
-    check_exportable(manifest["aux_layer_ids"], spec.num_layers, list(cfg.export_formats))
-    d2t, t2d = load_draft_vocab(cfg.data.shards)
-    files = shard_files(cfg.data.shards, manifest)
-    held_out = set(val_rows(files, cfg.data.val_rows)["id"].to_pylist()) if cfg.data.val_rows else set()
-    total = estimate_total_steps(cfg, files, held_out)
-    print(f"trainer: {ensure_ray(cfg.ray_address)}; {manifest['rows']} rows, {manifest['tokens']} tokens; "
-          f"{total} optimizer steps on {cfg.scaling.num_workers} worker(s), ZeRO-{cfg.deepspeed.zero_stage}",
-          flush=True)
+    where = ensure_ray(cfg.ray_address)
     quiet_ray_data()
-    ds = ray.data.read_parquet(files)
-    if held_out:
-        ds = ds.map_batches(drop_ids, batch_format="pyarrow", fn_kwargs={"ids": sorted(held_out)})
-    storage = out_dir / "ray"
-    resume = latest_checkpoint(storage)
+    data = training_data(cfg)
+    spec = TargetSpec.read(cfg.target)
+    check_manifest(data.signature, spec)
+    check_exportable(data.signature["aux_layer_ids"], spec.num_layers, list(cfg.export_formats))
+    d2t, t2d = load_draft_vocab(data.vocab_dir)
+    total = estimate_total_steps(cfg, data.length_files, set(data.val["id"].to_pylist()))
+    print(f"trainer: {where}; {data.rows} rows, {data.tokens} tokens ({cfg.data.source}); {total} optimizer "
+          f"steps on {cfg.scaling.num_workers} worker(s), ZeRO-{cfg.deepspeed.zero_stage}", flush=True)
+    resume = latest_checkpoint(out_dir / "ray")
     if resume:  # Ray Train V2 restores a run of the same name and storage path from its latest checkpoint
         print(f"trainer: resuming from {resume.path}", flush=True)
-    exec_opts = ray.data.ExecutionOptions(preserve_order=True)
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"cfg": cfg, "files": files, "total_steps": total, "d2t": d2t, "t2d": t2d,
-                           "aux_layer_ids": manifest["aux_layer_ids"], "storage_dtype": manifest["dtype"]},
-        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
-        datasets={"train": ds}, dataset_config=DataConfig(execution_options=exec_opts),
-        run_config=RunConfig(name=RUN_NAME, storage_path=str(storage),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-                             failure_config=FailureConfig(max_failures=0)))
+    loop_config = {"cfg": cfg, "val": ray.put(data.val), "total_steps": total, "d2t": d2t, "t2d": t2d,
+                   "aux_layer_ids": data.signature["aux_layer_ids"], "storage_dtype": data.signature["dtype"]}
     stop = threading.Event()
     bar = threading.Thread(target=_progress, args=(out_dir, total, stop), daemon=True)
     bar.start()
     t0 = time.time()
     try:
-        trainer.fit()
+        for phase in data.phases:
+            fit(cfg, phase.dataset(), dict(loop_config, stop_epoch=phase.stop_epoch))
+            if phase.after:
+                phase.after()
     finally:
         stop.set()
         bar.join(timeout=5)
-    wall = time.time() - t0
-    return finish(cfg, manifest, spec, wall)
+    return finish(cfg, data.signature, spec, time.time() - t0)
+
+
+def fit(cfg: TrainConfig, dataset, loop_config: dict) -> None:
+    """One Ray Train run over `dataset` (rows in order), resumed from this out_dir's latest checkpoint."""
+    import ray
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from trainer.loop import train_loop_per_worker
+
+    TorchTrainer(
+        train_loop_per_worker, train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        datasets={"train": dataset},
+        dataset_config=DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
+        run_config=RunConfig(name=RUN_NAME, storage_path=str(cfg.out_dir / "ray"),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+                             failure_config=FailureConfig(max_failures=0))).fit()
 
 
 def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> dict:

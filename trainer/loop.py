@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data import collate, iter_micro_batches, val_rows
+from trainer.data import collate, iter_micro_batches
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec
 from trainer.head import Eagle3Head, head_config_from_target
@@ -165,11 +165,39 @@ class MetricWindow:
         return rec
 
 
+class RowTally:
+    """Rows an epoch consumed and an order-free sum of their id hashes: summed over ranks, it shows every
+    row was seen exactly once (a lost or doubled row changes the count or the sum)."""
+
+    def __init__(self):
+        self.rows, self.hash = 0, 0
+
+    def add(self, rows: list[dict]) -> None:
+        self.rows += len(rows)
+        self.hash += sum(id_hash(r["id"]) for r in rows)
+
+    def total(self, run: "HeadTrainer") -> dict:
+        import torch.distributed as dist
+
+        t = torch.tensor([self.rows, self.hash], dtype=torch.int64)
+        if run.world > 1:
+            dist.all_reduce(t)
+        return {"rows": int(t[0]), "ids_hash": int(t[1])}
+
+
+def id_hash(row_id) -> int:
+    """40 bits of the id's SHA-1: sums of a million rows stay far inside int64."""
+    import hashlib
+
+    return int(hashlib.sha1(str(row_id).encode()).hexdigest()[:10], 16)
+
+
 class TrainLoop:
     """One worker's run: state restored from the latest checkpoint, epochs replayed in the same order up to
     where it stopped, then step / log / evaluate / checkpoint (torchtitan's shape, on Ray Train)."""
 
     def __init__(self, config: dict):
+        import ray
         import ray.train
         from torch.utils.tensorboard import SummaryWriter
 
@@ -177,7 +205,9 @@ class TrainLoop:
         self.total = config["total_steps"]
         self.run = HeadTrainer(cfg, self.total, config["d2t"], config["t2d"], config["aux_layer_ids"],
                                config["storage_dtype"])
-        self.val = val_rows(config["files"], cfg.data.val_rows).to_pylist() if cfg.data.val_rows else []
+        self.val = ray.get(config["val"]).to_pylist()
+        self.last_epoch = min(cfg.epochs, config.get("stop_epoch") or cfg.epochs)  # hybrid: the streamed epoch
+        self.seen = RowTally()
         self.state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
         ckpt = ray.train.get_checkpoint()
         if ckpt:
@@ -205,8 +235,16 @@ class TrainLoop:
         stream = iter_micro_batches(self.shard.iter_batches(batch_size=64, batch_format="numpy"),
                                     cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
                                     cfg.data.bucket_pool, cfg.data.seed, st["epoch"])
-        for _ in range(st["batches_in_epoch"]):  # replay the epoch's order up to where we stopped
-            next(stream, None)
+        if st["batches_in_epoch"]:  # replay the epoch's order up to where we stopped
+            replayed = 0
+            for _ in range(st["batches_in_epoch"]):
+                rows = next(stream, None) or []
+                self.seen.add(rows)
+                replayed += len(rows)
+            if self.run.rank == 0:
+                how = "captured again (stream), not trained" if cfg.data.source != "parquet" else "not trained"
+                print(f"trainer: resume re-reads {st['batches_in_epoch']} micro-batches ({replayed} rows on rank 0) "
+                      f"of epoch {st['epoch']}: {how}", flush=True)
         return stream
 
     def train_micro_batch(self, rows: list[dict]) -> None:
@@ -220,6 +258,7 @@ class TrainLoop:
         run.engine.backward(out["loss"])
         run.engine.step()
         st["batches_in_epoch"] += 1
+        self.seen.add(rows)
         self.window.add(out, ntok)
 
     def log(self, step: int) -> None:
@@ -260,11 +299,13 @@ class TrainLoop:
 
     def run_epoch(self) -> bool:
         """One epoch (or its rest after a resume); True when the run is done."""
+        self.seen = RowTally()
         stream = self.micro_batches()
         while True:
             rows = next(stream, None)
             # Every rank must take the same number of steps: stop the epoch when any rank runs dry.
             if self.run.all_sum(torch.tensor(0.0 if rows is None else 1.0)).item() < self.run.world:
+                self.state["history"].append({"epoch_end": self.state["epoch"], **self.seen.total(self.run)})
                 return False
             self.train_micro_batch(rows)
             if self.state["batches_in_epoch"] % self.cfg.optim.grad_accum == 0 and self.after_step():
@@ -275,7 +316,7 @@ class TrainLoop:
         if self.val and st["global_step"] == 0 and not st["history"]:  # the baseline every curve starts from
             st["history"].append(self.run.evaluate(self.val) | {"step": 0})
         done = st["global_step"] >= self.stop_at
-        while not done and st["epoch"] < self.cfg.epochs:
+        while not done and st["epoch"] < self.last_epoch:
             done = self.run_epoch()
             if not done:
                 st["epoch"] += 1

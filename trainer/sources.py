@@ -1,0 +1,109 @@
+"""Where training rows come from (`data.source`, docs/ARCHITECTURE.md §10).
+
+- parquet: the pipeline's capture shards (`data.shards`), written beforehand.
+- stream: the pipeline YAML (`data.pipeline`) runs its text stages (ingest, regenerate, tokenize, vocab:
+  small files), then its capture stage runs as a Ray Data dataset of capture actors whose rows feed the
+  trainer workers through `streaming_split`; no hidden state is written. Every epoch captures again.
+- hybrid: the first epoch streams like `stream` and writes the shards as it goes; the manifest is written
+  when that epoch ends, and later epochs read the shards (a second `fit`, resumed from the checkpoint).
+
+Whatever the source, rows come in the same order (shard ranges in order, `preserve_order`), so a resumed
+run replays its epoch deterministically; the held-out rows are the last `data.val_rows` rows of the run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.shards import read_manifest, shard_name, shard_ranges
+from trainer.config import TrainConfig
+from trainer.data import drop_ids, shard_files, val_rows
+
+
+@dataclass
+class Phase:
+    """One `fit` of the trainer: its dataset and the epoch it stops before (None: the configured epochs)."""
+    dataset: Callable[[], object]
+    stop_epoch: int | None = None
+    after: Callable[[], None] | None = None    # run when the fit returns (hybrid: write the manifest)
+
+
+@dataclass
+class TrainingData:
+    signature: dict                 # the data signature (manifest fields), checked against the target
+    vocab_dir: Path                 # draft_vocab.safetensors
+    length_files: list[str]         # parquet files holding id + input_ids of every row, in order
+    val: pa.Table                   # held-out rows, hidden states included
+    rows: int
+    tokens: int
+    phases: list[Phase] = field(default_factory=list)
+
+
+def _without(ds, held_out: list[str]):
+    return ds.map_batches(drop_ids, batch_format="pyarrow", fn_kwargs={"ids": held_out}) if held_out else ds
+
+
+def parquet_data(shards: Path, n_val: int) -> TrainingData:
+    import ray
+
+    manifest = read_manifest(shards)
+    files = shard_files(shards, manifest)
+    val = val_rows(files, n_val) if n_val else pq.read_table(files[0]).slice(0, 0)
+    held = val["id"].to_pylist()
+    return TrainingData(manifest, shards, files, val, manifest["rows"], manifest["tokens"],
+                        [Phase(lambda: _without(ray.data.read_parquet(files), held))])
+
+
+def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
+    """Run the pipeline's text stages, then describe the capture stream (and, for hybrid, its shards)."""
+    import ray
+
+    from pipeline.__main__ import run as run_pipeline
+    from pipeline.capture import capture_dataset, make_signature, write_manifest
+    from pipeline.config import PipelineConfig
+    from pipeline.tokenize import tokens_max_length
+    from pipeline.yaml_config import load_config
+
+    pcfg = load_config(PipelineConfig, cfg.data.pipeline)
+    if pcfg.target.resolve() != cfg.target.resolve():
+        raise ValueError(f"data.pipeline: its target {pcfg.target} is not the trainer's target {cfg.target}")
+    run_pipeline(pcfg.model_copy(update={"capture": pcfg.capture.model_copy(update={"enabled": False})}))
+    tokens, out_dir = pcfg.stage_dir("tokenize") / "tokens.parquet", pcfg.stage_dir("capture")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cap = pcfg.capture
+    signature = make_signature(pcfg.target, cap, tokens_max_length(tokens))
+    n = pq.read_metadata(tokens).num_rows
+    ranges = shard_ranges(n, cap.rows_per_shard)
+    k = min(cfg.data.val_rows, n)
+    if k:
+        val_ds = capture_dataset(cap, pcfg.target, tokens, [(-1, n - k, n)], signature)
+        val = pa.concat_tables(ray.get(val_ds.to_arrow_refs()))
+    else:
+        val = pa.table({"id": pa.array([], pa.string())})
+    held = val["id"].to_pylist()
+
+    def stream():
+        mode = "write_rows" if hybrid else "stream"
+        return _without(capture_dataset(cap, pcfg.target, tokens, ranges, signature, out_dir, mode), held)
+
+    n_tokens = int(pa.compute.sum(pq.read_table(tokens, columns=["n_tokens"])["n_tokens"]).as_py())
+    data = TrainingData(signature, out_dir, [str(tokens)], val, n, n_tokens)
+    if not hybrid:
+        data.phases.append(Phase(stream))
+        return data
+    files = [str(out_dir / shard_name(i)) for i, _, _ in ranges]
+    manifest = lambda: write_manifest(out_dir, ranges, signature, pcfg.target, pcfg.model_dump(mode="json"))  # noqa: E731
+    data.phases.append(Phase(stream, stop_epoch=1, after=manifest))
+    if cfg.epochs > 1:
+        data.phases.append(Phase(lambda: _without(ray.data.read_parquet(files), held)))
+    return data
+
+
+def training_data(cfg: TrainConfig) -> TrainingData:
+    if cfg.data.source == "parquet":
+        return parquet_data(cfg.data.shards, cfg.data.val_rows)
+    return stream_data(cfg, hybrid=cfg.data.source == "hybrid")
