@@ -309,6 +309,9 @@ class TrainLoop:
                 return False
             self.train_micro_batch(rows)
             if self.state["batches_in_epoch"] % self.cfg.optim.grad_accum == 0 and self.after_step():
+                # The last step may also end the epoch: record its tally when nothing is left on any rank.
+                if self.run.all_sum(torch.tensor(0.0 if next(stream, None) is None else 1.0)).item() == 0:
+                    self.state["history"].append({"epoch_end": self.state["epoch"], **self.seen.total(self.run)})
                 return True
 
     def __call__(self) -> None:
