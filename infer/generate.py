@@ -82,6 +82,11 @@ class SpecStats:
         """Tokens per verify forward, bonus included (SGLang's completion_tokens / spec_verify_ct)."""
         return self.new_tokens / max(1, self.rounds)
 
+    @staticmethod
+    def pooled_tau(stats: list["SpecStats"]) -> float:
+        """tau over many decodes: all their tokens over all their verify forwards (ARCHITECTURE.md §6)."""
+        return sum(s.new_tokens for s in stats) / max(1, sum(s.rounds for s in stats))
+
     @property
     def accept_by_depth(self) -> list[float]:
         """Share of rounds that accepted at least d + 1 draft tokens, d = 0 .. depth-1."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from infer.generate import EagleGenerator, SpecSettings
+from infer.generate import EagleGenerator, SpecSettings, SpecStats
 from infer.benchmarks import chat_ids, default_prompts, prompt_file
 
 
@@ -36,20 +36,19 @@ def main(argv=None) -> dict:
     texts = texts[: args.n]
     s = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens,
                      max_new_tokens=args.max_new_tokens)
-    matched, mismatches, tokens, rounds = 0, [], 0, 0
+    matched, mismatches, stats = 0, [], []
     for i, text in enumerate(texts):
         ids = chat_ids(gen.tokenizer, text)
         want = gen.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                          max_new_tokens=args.max_new_tokens, do_sample=False)[0, len(ids):].tolist()
         got = gen.generate(ids, s)
-        tokens += len(got.tokens)
-        rounds += got.stats.rounds
+        stats.append(got.stats)
         if got.tokens == want:
             matched += 1
         else:
             first = next((j for j, (a, b) in enumerate(zip(got.tokens, want)) if a != b), min(len(got.tokens), len(want)))
             mismatches.append({"index": i, "first_diff": first})
-    result = {"prompts": len(texts), "matched": matched, "tau": round(tokens / max(1, rounds), 3),
+    result = {"prompts": len(texts), "matched": matched, "tau": round(SpecStats.pooled_tau(stats), 3),
               "mismatches": mismatches[:10], "settings": s.__dict__}
     print(json.dumps(result))
     return result
