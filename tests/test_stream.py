@@ -88,18 +88,19 @@ def test_killed_capture_actor_is_restarted_and_rows_seen_once(tmp_path, stream_p
     import os
     import signal
 
-    from ray.util.state import list_actors
+    import psutil
 
     killed: list[int] = []
 
     def kill_first_capture_actor():
+        # Ray titles an actor's process after its class: "ray::MapWorker(MapBatches(CaptureWorker))".
         deadline = time.time() + 240
-        while time.time() < deadline and not killed:
-            for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True):
-                if "CaptureWorker" in a.class_name and a.pid:
+        while time.time() < deadline:
+            for p in psutil.process_iter(["pid", "cmdline"]):
+                if "CaptureWorker" in " ".join(p.info["cmdline"] or []):
                     time.sleep(1.0)  # let it take a shard or two first
-                    os.kill(a.pid, signal.SIGKILL)
-                    killed.append(a.pid)
+                    os.kill(p.info["pid"], signal.SIGKILL)
+                    killed.append(p.info["pid"])
                     return
             time.sleep(0.2)
 
