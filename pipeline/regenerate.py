@@ -198,8 +198,11 @@ ENGINES = {"hf": HFRegenerator, "vllm": VllmRegenerator}
 
 
 def _fingerprint(cfg: Regenerate, chat: ChatTemplate, target: Path, records: Path) -> str:
-    h = hashlib.sha256(cfg.model_dump_json(exclude={"num_actors", "num_cpus_per_actor", "batch_size"}).encode())
-    h.update(chat.model_dump_json().encode())
+    # What decides the answers; pool sizes and threads do not (beyond float reduction order).
+    h = hashlib.sha256(cfg.model_dump_json(exclude={"num_actors", "num_cpus_per_actor", "batch_size",
+                                                    "threads_per_actor"}).encode())
+    if chat.kwargs():
+        h.update(chat.model_dump_json().encode())
     h.update(str(Path(target).resolve()).encode())
     h.update((Path(target) / "config.json").read_bytes())
     h.update(weights_id(target).encode())  # a target retrained in place writes other answers
