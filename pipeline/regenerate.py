@@ -21,6 +21,7 @@ import zlib
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 import torch
 
@@ -41,10 +42,13 @@ def fill_slots(conv: list[dict]) -> tuple[list[dict], list[int]]:
 class TurnRegenerator:
     """The turn loop, statuses and reasons, shared by both engines; subclasses implement `generate`."""
 
-    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate):
+    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate, parts: dict | None = None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        # Chunk mode (run_regenerate): {"records", "out_dir", "fingerprint"}; each input row names a chunk.
+        self.parts = parts
+        self.records = read_records_table(Path(parts["records"])) if parts else None
         # Ray starts an actor with OMP_NUM_THREADS = its logical CPUs (1 here): without this an engine
         # runs one thread whatever cores the node has (measured: vLLM at 100% of one core of two).
         if cfg.threads_per_actor:
@@ -98,7 +102,17 @@ class TurnRegenerator:
                     out.append(e)
             return out
 
-    def __call__(self, batch: dict) -> pa.Table:
+    def __call__(self, batch: dict):
+        if self.parts is None:
+            return self.regenerate(batch)
+        for index, start, end in zip(batch["index"], batch["start"], batch["end"]):
+            part = self.records.slice(int(start), int(end) - int(start))
+            table = self.regenerate({"id": part["id"].to_pylist(), "messages": part["messages"].to_pylist()})
+            write_part(table, Path(self.parts["out_dir"]), int(index), self.parts["fingerprint"])
+        return {"index": batch["index"]}
+
+    def regenerate(self, batch: dict) -> pa.Table:
+        """Records (id, messages as JSON) -> (id, messages, status, reason, kept), turn by turn."""
         originals = [json.loads(m) for m in batch["messages"]]
         convs, slots = zip(*(fill_slots(c) for c in originals)) if originals else ((), ())
         convs = list(convs)
@@ -141,8 +155,8 @@ class TurnRegenerator:
 
 
 class HFRegenerator(TurnRegenerator):
-    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate):
-        super().__init__(target, cfg, chat)
+    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate, parts: dict | None = None):
+        super().__init__(target, cfg, chat, parts)
         from pipeline.target import load_model
 
         self.model, self.device = load_model(target, "auto", self.cfg.num_gpus_per_actor > 0)
@@ -163,10 +177,10 @@ class HFRegenerator(TurnRegenerator):
 class VllmRegenerator(TurnRegenerator):
     """vLLM's offline engine inside the actor (in-process: Ray already gave the actor its CPUs / GPU)."""
 
-    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate):
+    def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate, parts: dict | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm.kv_cache_gb))
-        super().__init__(target, cfg, chat)
+        super().__init__(target, cfg, chat, parts)
         from vllm import LLM
 
         v = self.cfg.vllm
@@ -195,6 +209,26 @@ class VllmRegenerator(TurnRegenerator):
 
 
 ENGINES = {"hf": HFRegenerator, "vllm": VllmRegenerator}
+PARTS = "parts"
+PART_META = b"eagleray_regenerate"
+
+
+def part_path(out_dir: Path, index: int) -> Path:
+    return out_dir / PARTS / f"part-{index:05d}.parquet"
+
+
+def write_part(table: pa.Table, out_dir: Path, index: int, fingerprint: str) -> None:
+    """One finished chunk, under a temp name then renamed: a part file that exists is complete."""
+    path = part_path(out_dir, index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table.replace_schema_metadata({PART_META: fingerprint.encode()}), tmp)
+    tmp.replace(path)
+
+
+def part_done(out_dir: Path, index: int, fingerprint: str) -> bool:
+    path = part_path(out_dir, index)
+    return path.is_file() and (pq.read_schema(path).metadata or {}).get(PART_META) == fingerprint.encode()
 
 
 def _fingerprint(cfg: Regenerate, chat: ChatTemplate, target: Path, records: Path) -> str:
@@ -218,21 +252,26 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
         old = json.loads(stats_path.read_text())
         if old.get("fingerprint") == fp:  # same input, same settings: the finished output stands
             return old | {"reused": True}
-    check_actor_cpus("regenerate.num_cpus_per_actor", cfg.num_actors, cfg.num_cpus_per_actor)
-    table = read_records_table(records)
+    n = read_records_table(records).num_rows
+    # Chunks of 4 engine batches, each written as a part when done: a rerun after a kill does the rest only.
+    chunk = cfg.batch_size * 4
+    ranges = [(i, s, min(s + chunk, n)) for i, s in enumerate(range(0, n, chunk))]
+    todo = [r for r in ranges if not part_done(out_dir, r[0], fp)]
+    if todo:
+        check_actor_cpus("regenerate.num_cpus_per_actor", min(cfg.num_actors, len(todo)), cfg.num_cpus_per_actor)
+        items = [{"index": i, "start": s, "end": e} for i, s, e in todo]
+        parts = {"records": str(records), "out_dir": str(out_dir), "fingerprint": fp}
+        ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            ENGINES[cfg.engine], batch_size=1, batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
+            num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
+            fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts}).materialize()
     sources = {}
     with open(records, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
             sources[rec["id"]] = rec["source"]
-    ds = ray.data.from_arrow(table).repartition(max(1, min(cfg.num_actors * 4, table.num_rows // cfg.batch_size)))
-    ds = ds.map_batches(ENGINES[cfg.engine], batch_size=cfg.batch_size * 4, batch_format="numpy",
-                        compute=ray.data.ActorPoolStrategy(size=cfg.num_actors), num_cpus=cfg.num_cpus_per_actor,
-                        num_gpus=cfg.num_gpus_per_actor, fn_constructor_kwargs={"target": str(target),
-                                                                               "cfg": cfg, "chat": chat})
-    result = pa.concat_tables(ray.get(ds.to_arrow_refs()))
-    order = {rid: i for i, rid in enumerate(table.column("id").to_pylist())}
-    rows = sorted(result.to_pylist(), key=lambda r: order[r["id"]])
+    rows = pa.concat_tables([pq.read_table(part_path(out_dir, i)) for i, _, _ in ranges]).to_pylist()
     counts = {"success": 0, "skipped": 0, "errored": 0, "dropped": 0}
     reasons: dict[str, int] = {}
     tmp = out_dir / ".records.jsonl.tmp"
@@ -254,6 +293,7 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
                 f.write(json.dumps({"id": r["id"], "status": r["status"], "reason": r["reason"],
                                     "kept": r["kept"]}, ensure_ascii=False) + "\n")
     stats = {"records": len(rows), **counts, "reasons": reasons, "engine": cfg.engine, "on_error": cfg.on_error,
-             "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "fingerprint": fp}
+             "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "fingerprint": fp,
+             "chunks": len(ranges), "chunks_reused": len(ranges) - len(todo)}
     stats_path.write_text(json.dumps(stats, indent=2))
     return stats

@@ -68,6 +68,15 @@ def test_prompt_only_records_are_answered_and_bad_records_counted(tmp_path, ray_
     assert [(f["id"], f["status"], f["kept"]) for f in fail] == [("bad", "errored", False)]
     again = run_regenerate(Regenerate(enabled=True, max_new_tokens=16, batch_size=4), tiny_target, path, tmp_path / "r")
     assert again["reused"] and again["success"] == 6  # a finished run is not redone
+    # A run killed after its first chunk (16 records a chunk at batch_size 4): the rerun does the rest only.
+    small = Regenerate(enabled=True, max_new_tokens=16, batch_size=1)  # 4 records a chunk: chunks 0 and 1
+    first = run_regenerate(small, tiny_target, path, tmp_path / "k")
+    before = (tmp_path / "k/records.jsonl").read_text()
+    (tmp_path / "k/stats.json").unlink()
+    (tmp_path / "k/parts/part-00001.parquet").unlink()
+    resumed = run_regenerate(small, tiny_target, path, tmp_path / "k")
+    assert (first["chunks"], first["chunks_reused"], resumed["chunks_reused"]) == (2, 0, 1)
+    assert (tmp_path / "k/records.jsonl").read_text() == before
     weights = tiny_target / "model.safetensors"  # the target retrained in place: new answers are due
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
