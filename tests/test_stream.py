@@ -98,20 +98,24 @@ def test_killed_capture_actor_is_restarted_and_rows_seen_once(tmp_path, stream_p
         while time.time() < deadline:
             for p in psutil.process_iter(["pid", "cmdline"]):
                 if "CaptureWorker" in " ".join(p.info["cmdline"] or []):
-                    time.sleep(1.0)  # let it take a shard or two first
-                    os.kill(p.info["pid"], signal.SIGKILL)
+                    time.sleep(0.5)  # let it take a shard or two first
+                    try:
+                        os.kill(p.info["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
                     killed.append(p.info["pid"])
                     return
-            time.sleep(0.2)
+            time.sleep(0.1)
 
     tree = load_config_dict(stream_pipeline / "stream.yaml")
     tree["run_dir"] = str(tmp_path / "killed_run")
-    tree["capture"]["rows_per_shard"] = 2  # 24 shards: the kill lands mid-stream
+    tree["capture"]["rows_per_shard"] = 2  # 48 shards, held back by a 1 MB buffer: the kill lands mid-stream
+    tree["ingest"]["sources"][0]["max_records"] = 96
     write_yaml(tmp_path / "killed.yaml", tree)
     killer = threading.Thread(target=kill_first_capture_actor, daemon=True)
     killer.start()
     cfg, _ = train(tmp_path / "k", tiny_target, {"source": "stream", "pipeline": str(tmp_path / "killed.yaml"),
-                                                  "val_rows": 0}, epochs=1)
+                                                  "val_rows": 0, "stream_buffer_mb": 1}, epochs=1)
     killer.join(timeout=5)
     assert killed, "no capture actor was found to kill"
     ends = [h for h in history(cfg) if "epoch_end" in h]

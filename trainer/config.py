@@ -17,6 +17,8 @@ class Data(StrictModel):
     max_rows_per_batch: int = Field(16, gt=0)
     bucket_pool: int = Field(256, gt=0)       # rows gathered before bucketing by length
     val_rows: int = Field(32, ge=0)           # held out (the last rows of the run) for eval metrics
+    stream_buffer_mb: int | None = Field(None, gt=0)  # stream / hybrid: object-store budget of the data in
+    #                                                   flight; capture waits for the trainer past it
     seed: int = 0
 
     @model_validator(mode="after")

@@ -115,7 +115,7 @@ def run_training(cfg: TrainConfig) -> dict:
     t0 = time.time()
     try:
         for phase in data.phases:
-            fit(cfg, phase.dataset(), dict(loop_config, stop_epoch=phase.stop_epoch))
+            fit(cfg, phase.dataset(), dict(loop_config, stop_epoch=phase.stop_epoch), phase.live)
             if phase.after:
                 phase.after()
     finally:
@@ -124,21 +124,26 @@ def run_training(cfg: TrainConfig) -> dict:
     return finish(cfg, data.signature, spec, time.time() - t0)
 
 
-def fit(cfg: TrainConfig, dataset, loop_config: dict) -> None:
-    """One Ray Train run over `dataset` (rows in order), resumed from this out_dir's latest checkpoint."""
+def fit(cfg: TrainConfig, dataset, loop_config: dict, live: bool = False) -> None:
+    """One Ray Train run over `dataset` (rows in order), resumed from this out_dir's latest checkpoint.
+    `live` (a capture stream): `data.stream_buffer_mb` bounds the captured rows held ahead of the trainer."""
     import ray
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from trainer.loop import train_loop_per_worker
 
+    limits = None
+    if live and cfg.data.stream_buffer_mb:
+        limits = ray.data.ExecutionResources(object_store_memory=cfg.data.stream_buffer_mb * 2 ** 20)
+    options = ray.data.ExecutionOptions(preserve_order=True, resource_limits=limits)
     TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
         datasets={"train": dataset},
-        dataset_config=DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
+        dataset_config=DataConfig(execution_options=options),
         run_config=RunConfig(name=RUN_NAME, storage_path=str(cfg.out_dir / "ray"),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
                              failure_config=FailureConfig(max_failures=0))).fit()

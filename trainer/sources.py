@@ -29,6 +29,7 @@ class Phase:
     """One `fit` of the trainer: its dataset and the epoch it stops before (None: the configured epochs)."""
     dataset: Callable[[], object]
     stop_epoch: int | None = None
+    live: bool = False                          # rows come from capture actors (stream_buffer_mb applies)
     after: Callable[[], None] | None = None    # run when the fit returns (hybrid: write the manifest)
 
 
@@ -93,11 +94,11 @@ def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
     n_tokens = int(pa.compute.sum(pq.read_table(tokens, columns=["n_tokens"])["n_tokens"]).as_py())
     data = TrainingData(signature, out_dir, [str(tokens)], val, n, n_tokens)
     if not hybrid:
-        data.phases.append(Phase(stream))
+        data.phases.append(Phase(stream, live=True))
         return data
     files = [str(out_dir / shard_name(i)) for i, _, _ in ranges]
     manifest = lambda: write_manifest(out_dir, ranges, signature, pcfg.target, pcfg.model_dump(mode="json"))  # noqa: E731
-    data.phases.append(Phase(stream, stop_epoch=1, after=manifest))
+    data.phases.append(Phase(stream, stop_epoch=1, after=manifest, live=True))
     if cfg.epochs > 1:
         data.phases.append(Phase(lambda: _without(ray.data.read_parquet(files), held)))
     return data
