@@ -20,6 +20,7 @@ import torch
 from pipeline.buckets import length_buckets
 from pipeline.cluster import check_actor_cpus
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
+from pipeline.progress import progress_bar
 from pipeline.hidden import capture_hidden, check_logit_rule
 from pipeline.target import TargetSpec, load_model
 from pipeline.config import Capture
@@ -151,7 +152,9 @@ def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, pr
     t0 = time.perf_counter()
     results = []
     if todo:
-        results = capture_dataset(cfg, target, tokens_path, todo, signature, out_dir, "write").take_all()
+        written = lambda: sum((out_dir / shard_name(i)).is_file() for i, _, _ in ranges)  # noqa: E731
+        with progress_bar("capture", len(ranges), written, unit="shard"):
+            results = capture_dataset(cfg, target, tokens_path, todo, signature, out_dir, "write").take_all()
     wall = time.perf_counter() - t0
     manifest = write_manifest(out_dir, ranges, signature, target, provenance)
     fwd = sum(r["forward_s"] for r in results)

@@ -26,6 +26,7 @@ import ray
 import torch
 
 from pipeline.cluster import check_actor_cpus
+from pipeline.progress import progress_bar
 from pipeline.config import ChatTemplate, Regenerate
 from pipeline.target import TargetSpec, weights_id
 from pipeline.tokenize import read_records_table
@@ -261,11 +262,13 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
         check_actor_cpus("regenerate.num_cpus_per_actor", min(cfg.num_actors, len(todo)), cfg.num_cpus_per_actor)
         items = [{"index": i, "start": s, "end": e} for i, s, e in todo]
         parts = {"records": str(records), "out_dir": str(out_dir), "fingerprint": fp}
-        ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            ENGINES[cfg.engine], batch_size=1, batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
-            num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
-            fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts}).materialize()
+        done = lambda: sum(part_done(out_dir, i, fp) for i, _, _ in ranges)  # noqa: E731
+        with progress_bar("regenerate", len(ranges), done, unit="chunk"):
+            ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+                ENGINES[cfg.engine], batch_size=1, batch_format="numpy",
+                compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
+                num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
+                fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts}).materialize()
     sources = {}
     with open(records, encoding="utf-8") as f:
         for line in f:

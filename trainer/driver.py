@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from pipeline.progress import progress_bar
 from pipeline.target import TargetSpec
 from pipeline.vocab import load_draft_vocab
 from trainer.config import TrainConfig
@@ -56,24 +56,17 @@ def latest_checkpoint(storage: Path):
     return Checkpoint.from_directory(str(best)) if best else None
 
 
-def _progress(out_dir: Path, total: int, stop: threading.Event) -> None:
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=5)
+def train_progress(out_dir: Path):
+    """The trainer's progress.json (written by rank 0 at each log) -> (step, postfix) for the bar."""
     path = out_dir / "progress.json"
-    while not stop.is_set():
-        if path.is_file():
-            try:
-                p = json.loads(path.read_text())
-                if p["step"] != bar.n:  # redraw on news only: logs stay short when not on a terminal
-                    bar.set_postfix(loss0=f"{p['loss'][0]:.3f}", acc0=f"{p['acc'][0]:.2f}",
-                                    tau=f"{p['sim_tau_train']:.2f}", tok_s=f"{p['tokens_per_s']:.0f}",
-                                    refresh=False)
-                    bar.update(p["step"] - bar.n)
-            except (json.JSONDecodeError, KeyError):
-                pass
-        stop.wait(1.0)
-    bar.close()
+
+    def poll():
+        if not path.is_file():
+            return None
+        p = json.loads(path.read_text())
+        return p["step"], {"loss0": f"{p['loss'][0]:.3f}", "acc0": f"{p['acc'][0]:.2f}",
+                           "tau": f"{p['sim_tau_train']:.2f}", "tok_s": f"{p['tokens_per_s']:.0f}"}
+    return poll
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
@@ -109,18 +102,12 @@ def run_training(cfg: TrainConfig) -> dict:
         print(f"trainer: resuming from {resume.path}", flush=True)
     loop_config = {"cfg": cfg, "val": ray.put(data.val), "total_steps": total, "d2t": d2t, "t2d": t2d,
                    "aux_layer_ids": data.signature["aux_layer_ids"], "storage_dtype": data.signature["dtype"]}
-    stop = threading.Event()
-    bar = threading.Thread(target=_progress, args=(out_dir, total, stop), daemon=True)
-    bar.start()
     t0 = time.time()
-    try:
+    with progress_bar("train", total, train_progress(out_dir), unit="step"):
         for phase in data.phases:
             fit(cfg, phase.dataset(), dict(loop_config, stop_epoch=phase.stop_epoch), phase.live)
             if phase.after:
                 phase.after()
-    finally:
-        stop.set()
-        bar.join(timeout=5)
     return finish(cfg, data.signature, spec, time.time() - t0)
 
 
