@@ -88,7 +88,7 @@ class CaptureWorker:
             t0 = time.perf_counter()
             table, fwd, nbytes = self.shard(int(index), int(start), int(end))
             for k, v in (("shard", int(index)), ("rows", table.num_rows), ("bytes", nbytes), ("forward_s", fwd),
-                         ("tokens", int(sum(map(len, table["input_ids"].to_pylist())))),
+                         ("tokens", int(pa.compute.sum(pa.compute.list_value_length(table["input_ids"])).as_py())),
                          ("total_s", time.perf_counter() - t0)):
                 out[k].append(v)
         return out
