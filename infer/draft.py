@@ -1,16 +1,40 @@
-"""The draft side: an EAGLE-3 head with its own KV cache of committed positions, and tree growth.
+"""The draft side: an EAGLE-3 head with its own preallocated KV cache, and tree growth in tensor ops.
 
 A draft element pairs the feature of target position i (fc of the target's aux states, or the draft's
-own output standing in for it) with the embedding of the token at i + 1, rotated at position i. The
-cache holds committed elements only; tree elements live in per-round lists and are dropped after it.
+own output standing in for it) with the embedding of the token at i + 1, rotated at position i.
+Cache slots [0, committed) hold committed elements; a round's tree elements are written after them
+(scratch, overwritten by the next ingest). Nothing grows by concatenation on the hot path.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from infer.tree import Candidates, Tree, finalize, grow, rerank
+from infer.tree import Tree
+from infer.tree_tensor import CandidateTable, finalize_tensor, rerank_tensor
 from trainer.head import Eagle3Head
+
+
+class DraftCache:
+    """K/V of the head's one attention layer, [1, kv_heads, capacity, head_dim], written at slots.
+    Capacity doubles when a write would overflow (rare: it is kept across requests)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, like: torch.Tensor, capacity: int = 512):
+        self.k = like.new_zeros((1, kv_heads, capacity, head_dim))
+        self.v = torch.zeros_like(self.k)
+        self.committed = 0
+
+    def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = slot + k.shape[2]
+        if end > self.k.shape[2]:
+            grow = max(end, 2 * self.k.shape[2]) - self.k.shape[2]
+            pad = self.k.new_zeros((*self.k.shape[:2], grow, self.k.shape[3]))
+            self.k, self.v = torch.cat([self.k, pad], dim=2), torch.cat([self.v, pad], dim=2)
+        self.k[:, :, slot:end] = k
+        self.v[:, :, slot:end] = v
+
+    def upto(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class DraftRunner:
@@ -18,46 +42,52 @@ class DraftRunner:
         self.head = head.eval()
         self.embed = embed
         attn = head.midlayer.self_attn
-        self.kv_heads, self.head_dim = attn.kv_heads, attn.head_dim
+        self.cache = DraftCache(attn.kv_heads, attn.head_dim, embed)
         self.level_logits: list[torch.Tensor] = []  # the last tree's draft logits per level (tests read it)
-        self.reset()
 
     def reset(self) -> None:
-        p = self.embed
-        self.k = p.new_zeros((1, self.kv_heads, 0, self.head_dim))
-        self.v = p.new_zeros((1, self.kv_heads, 0, self.head_dim))
+        self.cache.committed = 0
 
     @property
     def cached(self) -> int:
-        return self.k.shape[2]
+        return self.cache.committed
 
-    def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-              keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
-        """m elements attending to `keys/values` (+ themselves, last m slots). mask [m, K + m] bool."""
+    def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int, mask: torch.Tensor):
+        """m elements written at cache slots [slot, slot + m), attending to slots [0, slot + m) under
+        mask [m, slot + m] bool. -> (pre-norm outputs [m, H], logits [m, Vd])."""
         q, k, v = self.head.qkv(h[None], F.embedding(tokens, self.embed)[None], positions[None])
-        kk, vv = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        self.cache.write(slot, k, v)
+        kk, vv = self.cache.upto(slot + len(tokens))
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[None, None], enable_gqa=True)
         x = self.head.finish(h[None], out)[0]
-        return x, self.head.logits(x), k, v
+        return x, self.head.logits(x)
 
     @torch.no_grad()
     def ingest(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):
         """Commit elements for target positions `positions` (features aux [n, 3Ht], next tokens [n]).
         Returns the last element's pre-norm output and logits (they propose the next token's children)."""
-        n, c = len(next_tokens), self.cached
+        n, c = len(next_tokens), self.cache.committed
         h = self.head.fc(aux.to(self.embed.dtype))
-        mask = torch.cat([torch.ones(n, c, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
-        x, logits, k, v = self._step(h, next_tokens, positions, self.k, self.v, mask.to(h.device))
-        self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        mask = torch.ones(n, c + n, dtype=torch.bool, device=h.device)
+        mask[:, c:] = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
+        x, logits = self._step(h, next_tokens, positions, c, mask)
+        self.cache.committed = c + n
         return x[-1], logits[-1]
 
     @torch.no_grad()
     def build_tree(self, root_token: int, root_hidden: torch.Tensor, root_logits: torch.Tensor, last_pos: int,
                    top_k: int, depth: int, total_tokens: int) -> Tree:
-        """EAGLE-2 dynamic tree: top_k children of the root from the last ingest output, then depth - 1
-        rounds expanding the top_k frontier nodes in one forward each, then rerank to total_tokens."""
-        d2t = self.head.d2t
-        cands = Candidates([], [], [], [])
+        """EAGLE-2 dynamic tree (infer/tree.py is the reference): top_k children of the root from the last
+        ingest output, then depth - 1 levels expanding the top_k best frontier nodes in one forward each,
+        then rerank to total_tokens. Every frontier node is a draft element; element e sits at cache slot
+        committed + e and sees the committed prefix, its ancestors' elements and itself."""
+        dev, d2t, c = root_hidden.device, self.head.d2t, self.cache.committed
+        table = CandidateTable.empty(CandidateTable.capacity(top_k, depth), dev)
+        n_elem = (depth - 1) * top_k
+        elem_of = torch.full((table.tokens.numel(),), -1, dtype=torch.long, device=dev)  # candidate -> element
+        anc = torch.zeros(n_elem + 1, n_elem, dtype=torch.bool, device=dev)  # element's ancestors; last row: none
+        hid = root_hidden.new_empty((n_elem + 1, root_hidden.shape[-1]))     # element outputs; last row: root
+        hid[n_elem] = root_hidden
 
         def children(logits: torch.Tensor):
             lp, idx = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
@@ -65,32 +95,23 @@ class DraftRunner:
 
         tok, lp = children(root_logits[None])
         self.level_logits = [root_logits[None]]
-        frontier = grow(cands, [-1], tok, lp, top_k)
-        elem_of: dict[int, int] = {}  # candidate -> tree element index
-        hid, ks, vs = [], [], []      # per tree element: output, key, value
+        frontier = table.best(table.add(torch.tensor([-1], device=dev), tok, lp), top_k)
+        e = 0
         for _ in range(depth - 1):
-            parents_h = torch.stack([root_hidden if cands.parents[c] < 0 else hid[elem_of[cands.parents[c]]]
-                                     for c in frontier])
-            tokens = torch.tensor([cands.tokens[c] for c in frontier], device=root_hidden.device)
-            positions = torch.tensor([last_pos + cands.depths[c] for c in frontier], device=root_hidden.device)
-            e = len(hid)
-            anc = torch.zeros(len(frontier), e, dtype=torch.bool)
-            for row, c in enumerate(frontier):
-                p = cands.parents[c]
-                while p >= 0:
-                    anc[row, elem_of[p]] = True
-                    p = cands.parents[p]
-            mask = torch.cat([torch.ones(len(frontier), self.cached, dtype=torch.bool), anc,
-                              torch.eye(len(frontier), dtype=torch.bool)], dim=1).to(root_hidden.device)
-            tree_k = torch.cat([self.k] + ks, dim=2) if ks else self.k
-            tree_v = torch.cat([self.v] + vs, dim=2) if vs else self.v
-            x, logits, k, v = self._step(parents_h, tokens, positions, tree_k, tree_v, mask)
-            for row, c in enumerate(frontier):
-                elem_of[c] = e + row
-                hid.append(x[row])
-            ks.append(k)
-            vs.append(v)
+            m = frontier.numel()
+            par = table.parents[frontier]
+            pe = torch.where(par < 0, n_elem, elem_of[par.clamp(min=0)])  # parent element (n_elem = root)
+            rows = anc[pe].clone()
+            rows[torch.arange(m, device=dev), pe.clamp(max=n_elem - 1)] |= pe < n_elem
+            anc[e:e + m] = rows
+            mask = torch.ones(m, c + e + m, dtype=torch.bool, device=dev)
+            mask[:, c:c + e] = rows[:, :e]
+            mask[:, c + e:] = torch.eye(m, dtype=torch.bool, device=dev)
+            x, logits = self._step(hid[pe], table.tokens[frontier], last_pos + table.depths[frontier], c + e, mask)
+            elem_of[frontier] = torch.arange(e, e + m, device=dev)
+            hid[e:e + m] = x
+            e += m
             self.level_logits.append(logits)
             tok, lp = children(logits)
-            frontier = grow(cands, frontier, tok, lp, top_k)
-        return finalize(root_token, cands, rerank(cands, total_tokens))
+            frontier = table.best(table.add(frontier, tok, lp), top_k)
+        return finalize_tensor(root_token, table, rerank_tensor(table, total_tokens))

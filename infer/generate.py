@@ -21,7 +21,8 @@ from pydantic import Field
 from infer.draft import DraftRunner
 from pipeline.target import default_aux_layers, num_layers
 from infer.target import TargetRunner, compact_cache
-from infer.tree import accept_greedy, accept_sampling, compaction_indices
+from infer.tree import accept_sampling, compaction_indices
+from infer.tree_tensor import accept_greedy_tensor
 from pipeline.yaml_config import StrictModel
 
 
@@ -230,7 +231,7 @@ class EagleGenerator:
         logits, aux = self.target.forward(tree.tokens, tree.positions(plen), cache, self.target.verify_masks(tree, plen))
         t2 = time.perf_counter()
         if s.temperature <= 0:
-            accepted, bonus = accept_greedy(tree, logits.argmax(-1))
+            accepted, bonus = accept_greedy_tensor(tree, logits.argmax(-1))
         else:
             accepted, bonus = accept_sampling(tree, sampling_probs(logits, s.temperature, s.top_p), gen)
         src, dst = compaction_indices(plen, accepted)

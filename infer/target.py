@@ -45,12 +45,11 @@ class TargetRunner:
 
 
 def compact_cache(cache, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None:
-    """Move the accepted path's K/V rows (src -> dst slots) in every layer, then drop the rest."""
+    """Move the accepted path's K/V rows (src -> dst slots) in every layer, then drop the rest.
+    Writes each layer's `keys` / `values` (transformers 5's cache layers); this is the one place that does."""
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None:
             continue
         s, d = src.to(layer.keys.device), dst.to(layer.keys.device)
-        layer.keys[:, :, d] = layer.keys[:, :, s]
-        layer.values[:, :, d] = layer.values[:, :, s]
-        layer.keys = layer.keys[:, :, :new_len]
-        layer.values = layer.values[:, :, :new_len]
+        layer.keys = layer.keys.index_copy_(2, d, layer.keys.index_select(2, s))[:, :, :new_len]
+        layer.values = layer.values.index_copy_(2, d, layer.values.index_select(2, s))[:, :, :new_len]

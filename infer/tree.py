@@ -17,11 +17,22 @@ class Tree:
     parents: torch.Tensor    # [n] index of the parent node, -1 for the root
     depth: torch.Tensor      # [n] 0 for the root
     mask: torch.Tensor       # [n, n] bool: node i sees node j iff j is i or an ancestor of i
-    retrieve: torch.Tensor   # [leaves, max_depth + 1] root-to-leaf node indices, padded with -1
 
     @property
     def size(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def retrieve(self) -> torch.Tensor:
+        """[leaves, max_depth + 1] root-to-leaf node indices, padded with -1 (not on the decode path)."""
+        is_leaf = torch.ones(self.size, dtype=torch.bool)
+        is_leaf[self.parents[self.parents >= 0]] = False
+        leaves = is_leaf.nonzero().flatten().tolist()
+        out = torch.full((len(leaves), int(self.depth.max()) + 1), -1, dtype=torch.long)
+        for row, leaf in enumerate(leaves):
+            path = self.mask[leaf].nonzero().flatten()  # ancestors in creation order = root-to-leaf order
+            out[row, : len(path)] = path
+        return out
 
     def children(self, node: int) -> list[int]:
         return (self.parents == node).nonzero().flatten().tolist()
@@ -73,7 +84,7 @@ def rerank(cands: Candidates, total_tokens: int) -> list[int]:
 
 
 def finalize(root_token: int, cands: Candidates, kept: list[int]) -> Tree:
-    """Kept candidates -> Tree with the root at index 0, ancestor mask, depths and root-to-leaf paths."""
+    """Kept candidates -> Tree with the root at index 0, ancestor mask and depths."""
     index = {c: i + 1 for i, c in enumerate(kept)}
     n = len(kept) + 1
     tokens = torch.tensor([root_token] + [cands.tokens[c] for c in kept], dtype=torch.long)
@@ -85,15 +96,7 @@ def finalize(root_token: int, cands: Candidates, kept: list[int]) -> Tree:
         p = int(parents[i])
         depth[i] = depth[p] + 1
         mask[i] |= mask[p]
-    is_leaf = torch.ones(n, dtype=torch.bool)
-    is_leaf[parents[parents >= 0]] = False
-    leaves = is_leaf.nonzero().flatten().tolist()
-    width = int(depth.max()) + 1
-    retrieve = torch.full((len(leaves), width), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        path = mask[leaf].nonzero().flatten()  # ancestors in creation order = root-to-leaf order
-        retrieve[row, : len(path)] = path
-    return Tree(tokens, parents, depth, mask, retrieve)
+    return Tree(tokens, parents, depth, mask)
 
 
 def accept_greedy(tree: Tree, target_argmax: torch.Tensor) -> tuple[list[int], int]:

@@ -81,3 +81,57 @@ def test_sampling_acceptance_is_lossless():
     obs = [first[10], first[11], first[3]]
     assert sum(obs) == n
     assert chisquare(obs, [0.2 * n, 0.5 * n, 0.3 * n]).pvalue > 0.01
+
+
+def grow_both(seed: int, top_k: int, depth: int, vocab: int = 12, quantum: float = 0.5):
+    """Grow the same tree with tree.py (reference) and tree_tensor.py from one stream of random draft
+    log-probabilities rounded to `quantum` (many exact ties, so the tie-breaks are exercised)."""
+    from infer.tree_tensor import CandidateTable
+
+    g = torch.Generator().manual_seed(seed)
+
+    def children(rows: int):
+        lp = (torch.log_softmax(torch.randn(rows, vocab, generator=g) * 2, -1) / quantum).round() * quantum
+        v, i = lp.topk(top_k, dim=-1)
+        return i, v
+
+    ref, table = Candidates([], [], [], []), CandidateTable.empty(CandidateTable.capacity(top_k, depth))
+    tok, lp = children(1)
+    f_ref = grow(ref, [-1], tok, lp, top_k)
+    f_t = table.best(table.add(torch.tensor([-1]), tok, lp), top_k)
+    for _ in range(depth - 1):
+        assert f_t.tolist() == f_ref
+        tok, lp = children(len(f_ref))
+        f_ref = grow(ref, f_ref, tok, lp, top_k)
+        f_t = table.best(table.add(f_t, tok, lp), top_k)
+    assert f_t.tolist() == f_ref
+    return ref, table
+
+
+def test_tensor_tree_equals_reference():
+    """The decode loop's tensor path builds the same trees and accepts the same paths as tree.py."""
+    from infer.tree_tensor import accept_greedy_tensor, finalize_tensor, rerank_tensor
+
+    g = torch.Generator().manual_seed(7)
+    trees = 0
+    for seed in range(60):
+        top_k, depth = 1 + seed % 4, 1 + seed % 6
+        ref, table = grow_both(seed, top_k, depth)
+        for total in (2, 5, 16, 40):
+            kept = rerank(ref, total)
+            assert rerank_tensor(table, total).tolist() == kept
+            a, b = finalize(99, ref, kept), finalize_tensor(99, table, torch.tensor(kept, dtype=torch.long))
+            for f in ("tokens", "parents", "depth", "mask"):
+                assert torch.equal(getattr(a, f), getattr(b, f)), f
+            for _ in range(5):  # argmax rows that follow a random path down the tree, leaving it anywhere
+                argmax = torch.randint(0, 12, (a.size,), generator=g)
+                node = 0
+                while (kids := a.children(node)):
+                    pick = int(torch.randint(0, len(kids) + 1, (), generator=g))
+                    if pick == len(kids):
+                        break
+                    argmax[node] = a.tokens[kids[pick]]
+                    node = kids[pick]
+                assert accept_greedy_tensor(b, argmax) == accept_greedy(a, argmax)
+            trees += 1
+    assert trees == 240
