@@ -101,8 +101,9 @@ class DraftRunner:
             m = frontier.numel()
             par = table.parents[frontier]
             pe = torch.where(par < 0, n_elem, elem_of[par.clamp(min=0)])  # parent element (n_elem = root)
-            rows = anc[pe].clone()
-            rows[torch.arange(m, device=dev), pe.clamp(max=n_elem - 1)] |= pe < n_elem
+            rows = anc[pe]  # the parent's ancestors, plus the parent itself unless it is the root
+            has = pe < n_elem
+            rows[has.nonzero().flatten(), pe[has]] = True
             anc[e:e + m] = rows
             mask = torch.ones(m, c + e + m, dtype=torch.bool, device=dev)
             mask[:, c:c + e] = rows[:, :e]
