@@ -17,7 +17,7 @@ from pipeline.hidden import capture_hidden, check_logit_rule
 from pipeline.target import attention_layout, default_aux_layers
 from trainer.head import Eagle3Head, head_config_from_target
 from trainer.target_parts import load_target_parts
-from trainer.ttt import TTTObjective, target_distribution, ttt_unroll
+from trainer.ttt import TTTObjective, target_distribution, target_rows, ttt_unroll
 
 VOCAB, WINDOW, PROMPT, NEW = 320, 16, 40, 24
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -158,13 +158,14 @@ def test_train_steps_bring_the_loss_down(family):
     aux, last = capture_hidden(model, ids, None, default_aux_layers(8))
     head = Eagle3Head(head_config_from_target(parts.config, VOCAB)).float()
     opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
-    with torch.no_grad():
-        p, am = target_distribution(parts.logits(last.float()), head.t2d)
     mask = torch.ones_like(ids)
+    with torch.no_grad():
+        need, row = target_rows(mask)
+        p, am = target_distribution(parts.logits(last.float()[need]), head.t2d)
     objective = TTTObjective(head, ttt_length=3, decay=0.8)
     losses = []
     for _ in range(10):
-        out = objective(aux.float(), parts.embed(ids).float(), p, am, mask)
+        out = objective(aux.float(), parts.embed(ids).float(), p, am, row, mask)
         opt.zero_grad()
         out["loss"].backward()
         opt.step()
@@ -195,7 +196,7 @@ def test_ttt_logits_equal_decoder_chain_logits(family):
     torch.testing.assert_close(cap_aux[0, : i + 1], aux, rtol=1e-5, atol=1e-6)  # decoder hooks == capture
     with torch.no_grad():
         emb = torch.nn.functional.embedding(seq, model.get_input_embeddings().weight)
-        steps = list(ttt_unroll(head, cap_aux, emb, depth))
+        steps = [head.logits(x) for x in ttt_unroll(head, cap_aux, emb, depth)]
     for s in range(depth):
         torch.testing.assert_close(steps[s][0, i], levels[s][0], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{name}: TTT step {s} vs decoder level {s}: {m}")

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from trainer.head import Eagle3Head
-from trainer.ttt import (TTTObjective, shift_left, simulated_tau, step_loss, ttt_attention, ttt_attention_mask,
-                         ttt_positions)
+from trainer.ttt import (TTTObjective, shift_left, simulated_tau, step_loss, target_distribution, target_rows,
+                         ttt_attention, ttt_attention_mask, ttt_positions, ttt_unroll)
 
 # Step 3, T=6, hand-written: keys are step 0 (causal), then steps 1, 2, 3 (same position only).
 STEP3 = [
@@ -101,6 +101,13 @@ def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay)
     return total
 
 
+def compact_targets(tlogits, mask, t2d):
+    """The trainer's target table: distribution and argmax only where a TTT step reads them."""
+    need, row = target_rows(mask)
+    p, am = target_distribution(tlogits[need], t2d)
+    return p, am, row
+
+
 def test_batched_loss_equals_naive_loop():
     head = tiny_head()
     torch.manual_seed(1)
@@ -111,10 +118,60 @@ def test_batched_loss_equals_naive_loop():
     p = torch.softmax(tlogits[..., head.t2d], -1)
     am = tlogits.argmax(-1)
     mask = torch.randint(0, 2, (b, t))
-    got = TTTObjective(head, steps, 0.8)(aux, emb, p, am, mask)
+    got = TTTObjective(head, steps, 0.8)(aux, emb, *compact_targets(tlogits, mask, head.t2d), mask)
     want = naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8)
     assert abs(got["loss"].item() - want.item()) < 1e-5 and want.item() > 0
-    # And the per-step loss helper matches the formula on one step.
-    lg = torch.randn(b, t, 24, dtype=torch.float64)
-    pm = mask.double()
-    assert torch.isclose(step_loss(lg, p, pm), -(pm.unsqueeze(-1) * p * torch.log_softmax(lg, -1)).sum(-1).mean())
+    # The per-step loss helper on rows, against the formula.
+    lg, w = torch.randn(5, 24, dtype=torch.float64), torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    pr = torch.softmax(torch.randn(5, 24, dtype=torch.float64), -1)
+    assert torch.isclose(step_loss(lg, pr, w, 7), -(w * (pr * torch.log_softmax(lg, -1)).sum(-1)).sum() / 7)
+
+
+def test_target_rows_cover_exactly_what_steps_read():
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0]])
+    need, row = target_rows(mask)
+    assert need.tolist() == [[False, True, True, False, True, False], [True, True, False, False, False, False]]
+    assert row.tolist() == [[-1, 0, 1, -1, 2, -1], [3, 4, -1, -1, -1, -1]]
+
+
+def dense_objective(head, aux, emb, tlogits, mask, steps, decay):
+    """The trainer's objective as it was before positions were selected: every position through the
+    draft lm_head and a [B, T, Vd] loss; the reference the sparse objective must equal."""
+    p, am = target_distribution(tlogits, head.t2d)
+    total = 0.0
+    for s, x in enumerate(ttt_unroll(head, aux, emb, steps)):
+        logits = head.logits(x)
+        tgt_am = shift_left(am, 1 + s)
+        pm = shift_left(mask, 2 + s).to(logits.dtype) * head.t2d[tgt_am].to(logits.dtype)
+        logp = torch.log_softmax(logits, dim=-1)
+        total = total + decay ** s * -(pm.unsqueeze(-1) * shift_left(p, 1 + s) * logp).sum(-1).mean()
+    return total
+
+
+def test_sparse_objective_keeps_the_loss_curve():
+    """Same seed, same batch, 8 AdamW steps: the position-selected objective and the dense one give the
+    same loss at every step (fp64: to 1e-9) while the loss falls."""
+    torch.manual_seed(3)
+    b, t, steps = 3, 11, 4
+    aux = torch.randn(b, t, 96, dtype=torch.float64)
+    emb = torch.randn(b, t, 32, dtype=torch.float64)
+    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
+    mask = (torch.rand(b, t) < 0.6).long()
+    curves = []
+    for sparse in (True, False):
+        head = tiny_head()
+        objective = TTTObjective(head, steps, 0.8)
+        opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+        targets = compact_targets(tlogits, mask, head.t2d)
+        curve = []
+        for _ in range(8):
+            loss = (objective(aux, emb, *targets, mask)["loss"] if sparse
+                    else dense_objective(head, aux, emb, tlogits, mask, steps, 0.8))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        curves.append(curve)
+    sparse_curve, dense_curve = curves
+    assert max(abs(a - d) for a, d in zip(sparse_curve, dense_curve)) < 1e-9, (sparse_curve, dense_curve)
+    assert sparse_curve[-1] < sparse_curve[0] - 0.1, sparse_curve

@@ -1,31 +1,37 @@
 """Training benchmark: tokens/s with 1 vs 2 workers (ZeRO-2, one CPU thread each), step time vs TTT length,
-and the share of this machine's fp32 matmul peak the trainer reaches.
+the share of this machine's fp32 matmul peak the trainer reaches, and what Ray's own processes take.
 
-    python tools/bench_train.py [--target runs/demo/target] [--shards runs/demo/data/capture] [--steps 12]
+    python tools/bench_train.py [--shape demo=runs/demo/target,runs/demo/data/capture]
+                                [--shape smollm2=runs/smollm2/target,runs/smollm2/data/capture] [--steps 12]
 
 All runs share one Ray instance and the same data order; each run's first log window (start-up,
 first-touch allocations) is dropped. The peak is a large fp32 GEMM on one thread (a worker's share),
-measured in the same run; the trainer's FLOPs per token are counted from the head's shape (forward x 3
-for forward + backward, every TTT step, plus the target lm_head for the target distribution). The last
-line printed is one JSON object (matmul_peak_gflops, gflops, share_of_peak, tokens_per_s, workers2_vs_1).
+measured in the same run, alone and in two processes at once (what two workers can get from this box at
+most). FLOPs per token count what the trainer executes for useful tokens: the head's body on every token
+and TTT step, the draft lm_head and loss on the positions a step counts, the target lm_head (forward only)
+where a step reads it, x 3 for forward + backward on the head; padding is not counted, so it shows as a
+lower share. Ray's own processes (GCS, raylet, dashboard, Ray Data's executor tasks, the driver) are
+sampled by CPU time during the 2-worker run. The last line printed is one JSON object.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from pipeline.cluster import ensure_ray
 from trainer.config import TrainConfig
 from trainer.driver import run_training
 
+DEFAULT_SHAPE = "demo=runs/demo/target,runs/demo/data/capture"
+
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     """Best of `repeats` n x n x n fp32 GEMMs on one thread."""
-    import time
-
     import torch
 
     threads = torch.get_num_threads()
@@ -41,20 +47,74 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def flops_per_token(target: str, draft_vocab: int, ttt_length: int, seq_len: int) -> float:
-    """Training FLOPs per token: 3 x the head's forward per TTT step (matmuls of fc, q/k/v/o, MLP, draft
-    lm_head, attention over `seq_len`) plus the target lm_head over the full vocabulary (no backward)."""
+def _peak_worker(queue) -> None:
+    queue.put(matmul_peak_gflops(repeats=8))
+
+
+def concurrent_peak_gflops(processes: int = 2) -> float:
+    """Sum of single-thread GEMM peaks measured in `processes` processes at once: the most that as many
+    one-thread workers can reach together on this machine (shared cores, caches, memory, turbo)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_peak_worker, args=(queue,)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    got = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return sum(got)
+
+
+def loss_token_shares(shards: Path, ttt_length: int) -> dict:
+    """From the shards' loss masks: share of tokens whose target a step reads (loss_mask[j+1]) and the
+    mean share that TTT steps count (loss_mask[i+2+s]); what the trainer's vocab-sized work runs on."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    tokens = need = counted = 0
+    for f in sorted(shards.glob("*.parquet")):
+        for m in pq.read_table(f, columns=["loss_mask"]).column("loss_mask").to_pylist():
+            m = np.asarray(m)
+            tokens += len(m)
+            need += int(m[1:].sum())
+            counted += sum(int(m[2 + s:].sum()) for s in range(ttt_length))
+    return {"target_rows": need / tokens, "counted": counted / (tokens * ttt_length), "tokens": tokens}
+
+
+def flops_per_token(target: str, draft_vocab: int, ttt_length: int, seq_len: float, shares: dict) -> float:
+    """Executed training FLOPs per token (module docstring): 3 x forward of the head body per TTT step
+    (fc, q/k/v/o, MLP, attention over ~T/2 keys), 3 x the draft lm_head on counted positions, plus the
+    target lm_head over the full vocabulary where read (forward only)."""
     from transformers import AutoConfig
 
     from trainer.head import head_config_from_target
 
-    tcfg = AutoConfig.from_pretrained(target)
-    c = head_config_from_target(tcfg, draft_vocab)
+    c = head_config_from_target(AutoConfig.from_pretrained(target), draft_vocab)
     h, hd, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    per_step = (2 * h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * c.intermediate_size + h * draft_vocab
-                + 2 * nq * hd * seq_len / 2)  # attention: scores + values over ~T/2 keys on average
+    body = 2 * h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * c.intermediate_size + 2 * nq * hd * seq_len / 2
     fc = 3 * c.target_hidden_size * h
-    return 2 * 3 * (fc + ttt_length * per_step) + 2 * h * c.vocab_size
+    draft_head = h * draft_vocab * shares["counted"]
+    return 2 * 3 * (fc + ttt_length * (body + draft_head)) + 2 * h * c.vocab_size * shares["target_rows"]
+
+
+class RayCpu:
+    """CPU seconds of every process on this machine that is not a training worker: Ray's GCS, raylet,
+    dashboard and agents, Ray Data's executor tasks and the driver (this process)."""
+
+    def __init__(self):
+        import psutil
+
+        self.psutil = psutil
+
+    def sample(self) -> float:
+        total = 0.0
+        for p in self.psutil.process_iter(["name", "cmdline", "cpu_times"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "TrainWorker" in cmd or p.info["cpu_times"] is None:
+                continue
+            if "ray" in cmd or "gcs_server" in (p.info["name"] or "") or p.pid == self.psutil.Process().pid:
+                total += p.info["cpu_times"].user + p.info["cpu_times"].system
+        return total
 
 
 def measure(base: dict, out: Path, **over) -> dict:
@@ -72,40 +132,65 @@ def measure(base: dict, out: Path, **over) -> dict:
             "step_s": round(statistics.median(r["step_s"] for r in recs), 4), "windows": len(recs)}
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="runs/demo/target")
-    ap.add_argument("--shards", default="runs/demo/data/capture")
-    ap.add_argument("--steps", type=int, default=12)
-    args = ap.parse_args(argv)
-    ensure_ray()
-    base = {"target": args.target, "data": {"shards": args.shards, "max_tokens_per_batch": 2048,
-                                            "max_rows_per_batch": 16, "val_rows": 0},
-            "model": {"ttt_length": 7}, "optim": {"lr": 1e-3}, "max_steps": args.steps, "epochs": 50,
+def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path) -> dict:
+    from pipeline.shards import read_manifest
+
+    base = {"target": target, "data": {"shards": shards, "max_tokens_per_batch": 2048,
+                                       "max_rows_per_batch": 16, "val_rows": 0},
+            "model": {"ttt_length": 7}, "optim": {"lr": 1e-3}, "max_steps": steps, "epochs": 50,
             "log_every": 2, "eval_every": 10 ** 6, "checkpoint_every": 10 ** 6, "export_formats": [],
             "deepspeed": {"zero_stage": 2, "dtype": "fp32"},
             "scaling": {"num_workers": 1, "cpus_per_worker": 1, "threads_per_worker": 1}}
-    peak = matmul_peak_gflops()
-    with tempfile.TemporaryDirectory() as d:
-        d = Path(d)
-        one = measure(base, d / "w1")
-        two = measure(base, d / "w2", **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
-        by_ttt = {str(t): measure(base, d / f"ttt{t}", **{"model.ttt_length": t}) for t in (1, 4, 7)}
-    from pipeline.shards import read_manifest
-
-    man = read_manifest(Path(args.shards))
-    vocab = int(man.get("draft_vocab_size") or 0) or _draft_vocab(Path(args.shards))
+    one = measure(base, work / "w1")
+    ray_cpu = RayCpu()
+    cpu0, t0 = ray_cpu.sample(), time.perf_counter()
+    two = measure(base, work / "w2", **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
+    ray_share = (ray_cpu.sample() - cpu0) / (time.perf_counter() - t0)
+    by_ttt = {str(t): one if t == 7 else measure(base, work / f"ttt{t}", **{"model.ttt_length": t}) for t in ttts}
+    man = read_manifest(Path(shards))
+    vocab = int(man.get("draft_vocab_size") or 0) or _draft_vocab(Path(shards))
     seq = man["tokens"] / max(1, man["rows"])
-    gflops = {k: round(v["tokens_per_s"] * flops_per_token(args.target, vocab, int(k), seq) / 1e9, 2)
-              for k, v in by_ttt.items()}
-    result = {"target": args.target, "matmul_peak_gflops": round(peak, 2),
-              "gflops_by_ttt": gflops, "share_of_peak": round(gflops["7"] / peak, 3),
-              "gflop_per_token_ttt7": round(flops_per_token(args.target, vocab, 7, seq) / 1e9, 3),
-              "workers2_vs_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
-              "tokens_per_s": {"1": one["tokens_per_s"], "2": two["tokens_per_s"]},
-              "step_s_by_ttt": {k: v["step_s"] for k, v in by_ttt.items()},
-              "step_s_ratio_7_vs_1": round(by_ttt["7"]["step_s"] / by_ttt["1"]["step_s"], 2),
-              "steps_per_run": args.steps, "zero_stage": 2, "threads_per_worker": 1}
+    gflops = {}
+    for k, v in by_ttt.items():
+        shares = loss_token_shares(Path(shards), int(k))
+        gflops[k] = round(v["tokens_per_s"] * flops_per_token(target, vocab, int(k), seq, shares) / 1e9, 2)
+    shares7 = loss_token_shares(Path(shards), 7)
+    return {"target": target, "gflops_by_ttt": gflops,
+            "gflop_per_token_ttt7": round(flops_per_token(target, vocab, 7, seq, shares7) / 1e9, 4),
+            "loss_token_share": round(shares7["counted"], 3),
+            "tokens_per_s": {"1": one["tokens_per_s"], "2": two["tokens_per_s"]},
+            "workers2_vs_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
+            "ray_processes_cpu_during_2_workers": round(ray_share, 3),
+            "step_s_by_ttt": {k: v["step_s"] for k, v in by_ttt.items()}}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", help=f"NAME=TARGET,SHARDS (repeatable; default {DEFAULT_SHAPE})")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--ttt", default="1,4,7", help="TTT lengths for the step-time sweep (7 is the main run)")
+    args = ap.parse_args(argv)
+    shapes = {}
+    for spec in args.shape or [DEFAULT_SHAPE]:
+        name, _, paths = spec.partition("=")
+        target, _, shards = paths.partition(",")
+        if not (name and target and shards):
+            raise SystemExit(f"--shape {spec!r}: expected NAME=TARGET,SHARDS")
+        shapes[name] = (target, shards)
+    ttts = sorted({int(t) for t in args.ttt.split(",")} | {7})
+    peak = matmul_peak_gflops()
+    peak2 = concurrent_peak_gflops(2)
+    ensure_ray()
+    with tempfile.TemporaryDirectory() as d:
+        per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name) for name, (t, s) in shapes.items()}
+    for r in per.values():
+        r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)
+    result = {"matmul_peak_gflops": round(peak, 2), "matmul_peak_2proc_gflops": round(peak2, 2),
+              "hardware_2proc_vs_1": round(peak2 / peak, 3),
+              "share_of_peak": {k: v["share_of_peak"] for k, v in per.items()},
+              "tokens_per_s": {k: v["tokens_per_s"] for k, v in per.items()},
+              "workers2_vs_1": {k: v["workers2_vs_1"] for k, v in per.items()},
+              "shapes": per, "steps_per_run": args.steps, "zero_stage": 2, "threads_per_worker": 1}
     print(json.dumps(result))
     return result
 

@@ -22,7 +22,7 @@ from pipeline.target import TargetSpec
 from trainer.head import Eagle3Head, head_config_from_target
 from trainer.warm_start import warm_start_state
 from trainer.target_parts import load_target_parts
-from trainer.ttt import StepSums, TTTObjective, target_distribution
+from trainer.ttt import StepSums, TTTObjective, target_distribution, target_rows
 
 STATE_FILE = "trainer_state.json"
 CKPT_TAG = "ckpt"
@@ -72,6 +72,10 @@ class HeadTrainer:
         head.set_vocab(d2t, t2d)
         self.hcfg = hcfg
         self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
+        if (self.compute_dtype == torch.bfloat16 and not cfg.scaling.use_gpu and self.rank == 0
+                and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            print("trainer: deepspeed.dtype: bf16 on a CPU without native bf16 (no AVX512-BF16 / AMX): "
+                  "oneDNN emulates it, ~100x slower than fp32 here; use deepspeed.dtype: fp32", flush=True)
         self.target = parts.to(self.device, self.compute_dtype)
         self.t2d = t2d.to(self.device)
         self.engine = self._engine(TTTObjective(head, cfg.model.ttt_length, cfg.model.decay))
@@ -100,8 +104,9 @@ class HeadTrainer:
         ids, mask = b["input_ids"].to(self.device), b["loss_mask"].to(self.device)
         with torch.no_grad():
             emb = self.target.embed(ids)
-            p, am = target_distribution(self.target.logits(b["last"].to(self.device)), self.t2d)
-        out = self.engine(b["aux"].to(self.device, self.compute_dtype), emb, p, am, mask)
+            need, row = target_rows(mask)  # the target lm_head runs only where a step reads it
+            p, am = target_distribution(self.target.logits(b["last"].to(self.device)[need]), self.t2d)
+        out = self.engine(b["aux"].to(self.device, self.compute_dtype), emb, p, am, row, mask)
         return out, sum(len(r["input_ids"]) for r in rows)
 
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:

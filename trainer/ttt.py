@@ -53,15 +53,29 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     return out
 
 
+def target_rows(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which target positions any TTT step reads, and their row in the compact target table.
+
+    Step s at position i reads target position j = i + 1 + s and counts it iff token j + 1 is a loss
+    token, so position j is needed iff loss_mask[j + 1] (whatever s). Returns (need [B, T] bool,
+    row [B, T] long: the row of j in a table of the needed positions in row-major order, -1 elsewhere)."""
+    need = shift_left(loss_mask, 1).bool()
+    row = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+    row[need] = torch.arange(int(need.sum()), device=need.device)
+    return need, row
+
+
 def target_distribution(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits over the full vocab -> (p over the draft vocab, renormalised; target argmax id)."""
+    """Target logits over the full vocab -> (p over the draft vocab, renormalised; target argmax id).
+    The argmax needs every vocab row (is it in the draft vocab at all?), so the full lm_head stays."""
     return torch.softmax(_wide(target_logits[..., t2d]), dim=-1), target_logits.argmax(-1)
 
 
-def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
-    """-sum_v mask * p * log_softmax(draft), averaged over all B*T positions (ARCHITECTURE.md §5)."""
+def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor, positions: int) -> torch.Tensor:
+    """-sum_rows weight * sum_v p * log_softmax(draft) / positions (ARCHITECTURE.md §5): rows are the
+    counted positions only; dividing by all B*T positions keeps the dense formula's scale."""
     logp = torch.log_softmax(_wide(draft_logits), dim=-1)
-    return -(position_mask.unsqueeze(-1) * target_p * logp).sum(-1).mean()
+    return -(weight * (target_p * logp).sum(-1)).sum() / positions
 
 
 def step_correct(draft_logits: torch.Tensor, d2t: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
@@ -109,8 +123,9 @@ def step_weights(ttt_length: int, decay: float) -> list[float]:
 
 
 def ttt_unroll(head, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int):
-    """The TTT steps of an Eagle3Head over a padded batch (index rules above): yields step s's logits
-    [B, T, Vd] for s = 0 .. ttt_length-1. aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids."""
+    """The TTT steps of an Eagle3Head over a padded batch (index rules above): yields step s's output
+    hidden [B, T, H] (pre-norm; `head.logits` of it are the step's logits) for s = 0 .. ttt_length-1.
+    aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids."""
     b, t, _ = emb.shape
     h = head.fc(aux)
     causal = torch.full((t, t), float("-inf"), device=emb.device, dtype=h.dtype).triu(1)
@@ -121,14 +136,16 @@ def ttt_unroll(head, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int):
         q, k, v = head.qkv(h, shift_left(emb, 1 + s), pos)
         keys.append(attn_mod.expand(k))
         values.append(attn_mod.expand(v))
-        x = head.finish(h, ttt_attention(q, keys, values, causal))
-        yield head.logits(x)
-        h = x
+        h = head.finish(h, ttt_attention(q, keys, values, causal))
+        yield h
 
 
 class TTTObjective(nn.Module):
     """The training objective around a head (what the DeepSpeed engine wraps): forward = the weighted TTT
-    loss plus per-step metrics. Parameters are the head's under the `head.` prefix."""
+    loss plus per-step metrics. Parameters are the head's under the `head.` prefix.
+
+    The draft lm_head, the softmax and the loss run only on the positions a step counts (loss tokens
+    inside the sequence): prompt, padding and the tail past the sequence cost no vocab-sized work."""
 
     def __init__(self, head: nn.Module, ttt_length: int, decay: float):
         super().__init__()
@@ -136,21 +153,24 @@ class TTTObjective(nn.Module):
         self._register_load_state_dict_pre_hook(_add_head_prefix)
 
     def forward(self, aux: torch.Tensor, emb: torch.Tensor, target_p: torch.Tensor, target_argmax: torch.Tensor,
-                loss_mask: torch.Tensor) -> dict:
-        """target_p [B,T,Vd] and target_argmax [B,T] at each position, loss_mask [B,T]."""
+                target_row: torch.Tensor, loss_mask: torch.Tensor) -> dict:
+        """target_p [N,Vd] and target_argmax [N]: the compact target table of `target_rows`, whose
+        `row` [B,T] is target_row; loss_mask [B,T]."""
         total = aux.new_zeros((), dtype=torch.float32)
+        positions = loss_mask.numel()
         losses, correct, counted = [], [], []
-        for s, logits in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length)):
-            tgt_am = shift_left(target_argmax, 1 + s)
-            lm = shift_left(loss_mask, 2 + s).to(logits.dtype)
-            pm = lm * self.head.t2d[tgt_am].to(logits.dtype)
-            loss = step_loss(logits, shift_left(target_p, 1 + s), pm)
+        for s, x in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length)):
+            sel = shift_left(loss_mask, 2 + s).flatten().nonzero().squeeze(1)
+            rows = shift_left(target_row, 1 + s, fill=-1).flatten()[sel]
+            logits = self.head.logits(x.flatten(0, 1)[sel])
+            tgt_am = target_argmax[rows]
+            weight = self.head.t2d[tgt_am].to(logits.dtype)
+            loss = step_loss(logits, target_p[rows], weight, positions)
             total = total + self.weights[s] * loss
             losses.append(loss.detach())
             with torch.no_grad():
-                ok = step_correct(logits, self.head.d2t, tgt_am) & lm.bool()
-                correct.append(ok.sum())
-                counted.append(lm.sum())
+                correct.append(step_correct(logits, self.head.d2t, tgt_am).sum())
+                counted.append(torch.tensor(float(len(sel))))
         return {"loss": total, "step_loss": torch.stack(losses), "step_correct": torch.stack(correct).float(),
                 "step_count": torch.stack(counted).float()}
 
