@@ -183,7 +183,7 @@ class EagleGenerator:
         cache = DynamicCache()
         prompt = torch.tensor(prompt_ids, dtype=torch.long)
         plen = len(prompt_ids)
-        logits, aux = self.target.forward(prompt, torch.arange(plen), cache)
+        logits, aux = self.target.forward(prompt, torch.arange(plen), cache, last_only=True)
         out = [self._pick(logits[-1], s, gen)]
         out, reason = self._finish(out, s)
         yield self._snapshot(out, stats, reason, t0)

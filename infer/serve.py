@@ -23,17 +23,13 @@ from infer.generate import SpecSettings, TreeShape
 from infer.openai_api import (SSE_DONE, ChatRequest, CompletionRequest, RequestError, Sampling, finish_reason,
                               make_api, response_body, sse_chunk)
 from pipeline.cluster import ensure_ray
+from pipeline.config import VllmEngine
 from pipeline.yaml_config import ExistingPath, StrictModel, config_arguments, load_or_exit
 
 
-class VllmServe(StrictModel):
-    """Options of the `vllm` backend only (Ray Serve LLM running vLLM)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int | None = Field(None, gt=0)
-    max_num_seqs: int = Field(64, gt=0)            # continuous batching width
-    kv_cache_gb: int = Field(1, ge=1)              # CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enforce_eager: bool = True
+class VllmServe(VllmEngine):
+    """Options of the `vllm` backend only (Ray Serve LLM running vLLM): the engine options regeneration
+    uses (`max_num_seqs` is the continuous batching width) plus the ingress."""
     ingress_num_cpus: float = Field(0, ge=0)       # the OpenAI ingress actor (needs none on CPU boxes)
 
 

@@ -31,7 +31,8 @@ def llm_config(cfg) -> "object":
     from ray.serve.llm import LLMConfig
 
     v = cfg.vllm
-    engine = {"dtype": v.dtype, "enforce_eager": v.enforce_eager, "max_num_seqs": v.max_num_seqs, "seed": 0,
+    engine = {"dtype": v.engine_dtype(cfg.num_gpus_per_replica > 0), "enforce_eager": v.enforce_eager,
+              "max_num_seqs": v.max_num_seqs, "seed": 0,
               "speculative_config": speculative_config(cfg.head, cfg.speculative.depth)}
     if v.max_model_len:
         engine["max_model_len"] = v.max_model_len

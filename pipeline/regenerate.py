@@ -184,14 +184,11 @@ class VllmRegenerator(TurnRegenerator):
         super().__init__(target, cfg, chat, parts)
         from vllm import LLM
 
-        from pipeline.target import auto_dtype
-
         v = self.cfg.vllm
-        # "auto" is the HF engine's dtype, so both engines run the same model (vLLM's auto is bf16 for fp32)
-        dtype = v.dtype if v.dtype != "auto" else str(auto_dtype("cuda" if cfg.num_gpus_per_actor > 0 else "cpu"))
         try:
-            self.llm = LLM(model=target, dtype=dtype.removeprefix("torch."), max_model_len=v.max_model_len,
-                           enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs, seed=self.cfg.seed,
+            self.llm = LLM(model=target, dtype=v.engine_dtype(cfg.num_gpus_per_actor > 0),
+                           max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
+                           max_num_seqs=v.max_num_seqs, seed=self.cfg.seed,
                            gpu_memory_utilization=v.gpu_memory_utilization)
         except Exception as e:  # noqa: BLE001 - one line naming the config keys, not an engine traceback
             raise RuntimeError(f"regenerate.engine=vllm: the vLLM engine did not start for {target} "

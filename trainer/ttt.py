@@ -170,7 +170,7 @@ class TTTObjective(nn.Module):
             losses.append(loss.detach())
             with torch.no_grad():
                 correct.append(step_correct(logits, self.head.d2t, tgt_am).sum())
-                counted.append(torch.tensor(float(len(sel))))
+                counted.append(torch.tensor(float(len(sel)), device=sel.device))
         return {"loss": total, "step_loss": torch.stack(losses), "step_correct": torch.stack(correct).float(),
                 "step_count": torch.stack(counted).float()}
 
