@@ -46,13 +46,14 @@ def level(base_url: str, model: str, prompts: list[str], concurrency: int, max_t
             "p50_s": round(statistics.median(lat), 3), "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3)}
 
 
-def deployment(backend: str, target: Path, head: Path | None, port: int, k: int, threads: int) -> ServeConfig:
+def deployment(backend: str, target: Path, head: Path | None, port: int, k: int, threads: int,
+               vllm_dtype: str = "auto") -> ServeConfig:
     name = f"{backend}-{'spec' if head else 'vanilla'}"
     common = dict(backend=backend, target=target, head=head, model_name=name, app_name=name, port=port,
                   max_ongoing_requests=64, max_tokens_limit=2048)
     if backend == "vllm":
         return ServeConfig(**common, num_cpus_per_replica=1, speculative={"mode": "chain", "depth": k},
-                           vllm={"max_model_len": 2048, "dtype": "float32", "max_num_seqs": 64})
+                           vllm={"max_model_len": 2048, "dtype": vllm_dtype, "max_num_seqs": 64})
     return ServeConfig(**common, num_cpus_per_replica=0.5, threads_per_replica=threads)
 
 
@@ -67,15 +68,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--levels", default="1,4,16")
     ap.add_argument("--k", type=int, default=3, help="vLLM draft tokens per step (a chain)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of an eagleray replica")
+    ap.add_argument("--vllm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="vLLM weights (auto: fp32 on CPU, the model the eagleray backend serves)")
     args = ap.parse_args(argv)
     from ray import serve
 
     levels = [int(x) for x in args.levels.split(",")]
     prompts = default_prompts(None, args.requests_per_level)
-    result: dict = {"requests_per_level": len(prompts), "max_tokens": args.max_tokens, "k_vllm": args.k}
+    result: dict = {"requests_per_level": len(prompts), "max_tokens": args.max_tokens, "k_vllm": args.k,
+                    "vllm_dtype": args.vllm_dtype}
     for backend in args.backends.split(","):
         for head in (args.head_dir / HEADS[backend], None):
-            cfg = deployment(backend, args.target, head, args.port, args.k, args.threads)
+            cfg = deployment(backend, args.target, head, args.port, args.k, args.threads, args.vllm_dtype)
             t0 = time.perf_counter()
             url = start(cfg) + "/v1"
             level(url, cfg.model_name, prompts[:2], 1, 8)  # warm-up
