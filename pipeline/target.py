@@ -90,8 +90,8 @@ def weights_id(target) -> str:
 
 def auto_dtype(device: str) -> torch.dtype:
     """What "auto" means for a target's weights in every engine: bf16 on GPU, fp32 on CPU (many CPUs
-    have no native bf16, and every CPU path then runs one model). vLLM's own "auto" would downcast an fp32 checkpoint to bf16 and decode another
-    model (docs/ARCHITECTURE.md §3)."""
+    have no native bf16, and every CPU path then runs one model). vLLM's own "auto" would downcast an
+    fp32 checkpoint to bf16 and decode another model (docs/ARCHITECTURE.md §3)."""
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
