@@ -88,6 +88,12 @@ def weights_id(target) -> str:
     return h.hexdigest()[:32]
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 / AMX). Without it oneDNN emulates
+    bf16, ~100x slower than fp32 (measured 0.9 vs 122 GFLOP/s on an AVX2 EPYC)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def auto_dtype(device: str) -> torch.dtype:
     """What "auto" means for a target's weights in every engine: bf16 on GPU, fp32 on CPU (many CPUs
     have no native bf16, and every CPU path then runs one model). vLLM's own "auto" would downcast an

@@ -23,6 +23,7 @@ import torch
 
 from pipeline.yaml_config import ExistingPath, StrictModel, load_or_exit
 from pipeline.formats import load_conversations
+from pipeline.target import cpu_has_native_bf16
 
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 # The assistant turn's content and its end-of-turn token sit inside {% generation %}, so the mask that
@@ -124,11 +125,10 @@ def lr_at(step: int, total: int, peak: float) -> float:
 
 
 def mixed_precision():
-    """bf16 autocast where the CPU computes bf16 natively (AVX512-BF16 / AMX), else plain fp32: on an
-    AVX2-only CPU oneDNN emulates bf16 matmuls ~100x slower than fp32 (measured 0.9 vs 122 GFLOP/s)."""
+    """bf16 autocast where the CPU computes bf16 natively, else plain fp32 (emulated bf16 is ~100x slower)."""
     import contextlib
 
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if cpu_has_native_bf16():
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -249,7 +249,7 @@ def train_target(rc: TargetRecipe) -> dict:
         "preset": rc.preset, "params": n_params, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
         "vocab": cfg.vocab_size, "train_rows": len(train_rows), "seq_len": p["seq_len"],
         "steps_run": len(loss_hist), "hit_time_cap": hit_cap, "first_loss": round(first_loss, 4),
-        "bf16_autocast": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "bf16_autocast": cpu_has_native_bf16(),
         "final_train_loss": round(sum(loss_hist[-10:]) / len(loss_hist[-10:]), 4),
         "val_loss": round(val_loss, 4), "distinct2_heldout": round(distinct_2([s["tokens"] for s in samples]), 4),
         "heldout_prompts": len(samples), "tokenizer_s": round(t_tok, 1), "train_s": round(train_s, 1),

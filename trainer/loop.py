@@ -18,7 +18,7 @@ import torch
 from trainer.config import TrainConfig
 from trainer.data import collate, iter_micro_batches
 from trainer.export import export_head, head_state
-from pipeline.target import TargetSpec
+from pipeline.target import TargetSpec, cpu_has_native_bf16
 from trainer.head import Eagle3Head, head_config_from_target
 from trainer.warm_start import warm_start_state
 from trainer.target_parts import load_target_parts
@@ -73,7 +73,7 @@ class HeadTrainer:
         self.hcfg = hcfg
         self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
         if (self.compute_dtype == torch.bfloat16 and not cfg.scaling.use_gpu and self.rank == 0
-                and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+                and not cpu_has_native_bf16()):
             print("trainer: deepspeed.dtype: bf16 on a CPU without native bf16 (no AVX512-BF16 / AMX): "
                   "oneDNN emulates it, ~100x slower than fp32 here; use deepspeed.dtype: fp32", flush=True)
         self.target = parts.to(self.device, self.compute_dtype)
