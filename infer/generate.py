@@ -20,7 +20,7 @@ from pydantic import Field
 
 from infer.draft import DraftRunner
 from pipeline.target import default_aux_layers, num_layers
-from infer.target import TargetRunner, compact_cache
+from infer.target import TargetRunner
 from infer.tree import accept_sampling, compaction_indices
 from infer.tree_tensor import accept_greedy_tensor
 from pipeline.yaml_config import StrictModel
@@ -114,8 +114,8 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
 
 
 class EagleGenerator:
-    def __init__(self, target, tokenizer, head, aux_layer_ids: list[int]):
-        self.target = TargetRunner(target, aux_layer_ids)
+    def __init__(self, target, tokenizer, head, aux_layer_ids: list[int], lean: bool = True):
+        self.target = TargetRunner(target, aux_layer_ids, lean)
         self.tokenizer = tokenizer
         embed = target.get_input_embeddings().weight.detach()
         self.draft = DraftRunner(head.to(embed.device, embed.dtype), embed) if head is not None else None
@@ -124,7 +124,8 @@ class EagleGenerator:
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
 
     @classmethod
-    def from_folders(cls, target_dir: str | Path, head_dir: str | Path | None, dtype=torch.float32, device="cpu"):
+    def from_folders(cls, target_dir: str | Path, head_dir: str | Path | None, dtype=torch.float32, device="cpu",
+                     lean: bool = True):
         from transformers import AutoTokenizer
 
         from pipeline.target import load_model
@@ -140,7 +141,7 @@ class EagleGenerator:
             head = Eagle3Head(hcfg)
             head.load_state_dict(state, strict=False)
             head.set_vocab(state["d2t"], state["t2d"])
-        return cls(target, tok, head, aux or default_aux_layers(n_layers))
+        return cls(target, tok, head, aux or default_aux_layers(n_layers), lean)
 
     def _pick(self, logits: torch.Tensor, s: SpecSettings, gen: torch.Generator | None) -> int:
         if s.temperature <= 0:
@@ -173,14 +174,12 @@ class EagleGenerator:
     def stream(self, prompt_ids: list[int], s: SpecSettings = SpecSettings()):
         """Yields a Generation after the prefill and after every round (tokens so far, stats, finish
         reason None until the last). Closing the iterator stops decoding between rounds."""
-        from transformers import DynamicCache
-
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
         mode = s.mode if self.draft is not None else "vanilla"
         depth = 0 if mode == "vanilla" else s.depth
         stats = SpecStats(depth=depth)
-        cache = DynamicCache()
+        cache = self.target.new_cache()
         prompt = torch.tensor(prompt_ids, dtype=torch.long)
         plen = len(prompt_ids)
         logits, aux = self.target.forward(prompt, torch.arange(plen), cache, last_only=True)
@@ -235,7 +234,7 @@ class EagleGenerator:
         else:
             accepted, bonus = accept_sampling(tree, sampling_probs(logits, s.temperature, s.top_p), gen)
         src, dst = compaction_indices(plen, accepted)
-        compact_cache(cache, src, dst, plen + len(accepted))
+        self.target.compact(cache, src, dst, plen + len(accepted))
         stats.rounds += 1
         stats.accepted.append(len(accepted) - 1)
         stats.begin_round()

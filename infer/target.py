@@ -11,19 +11,25 @@ import inspect
 
 import torch
 
+from infer.lean_target import LeanTarget
 from infer.tree import Tree, verify_mask
 from pipeline.hidden import AuxTap
 from pipeline.target import CHUNKED, SLIDING, attention_layout
 
 
 class TargetRunner:
-    def __init__(self, model, aux_layer_ids: list[int]):
+    """One target behind one interface: `new_cache`, `forward`, `compact`. Llama-shaped targets run the
+    lean forward (infer/lean_target.py) unless `lean=False`; every other family runs the HF forward on a
+    `DynamicCache` with hooks for the aux states."""
+
+    def __init__(self, model, aux_layer_ids: list[int], lean: bool = True):
         self.model = model.eval()
         self.aux_layer_ids = list(aux_layer_ids)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.layout = attention_layout(model)  # refuses recurrent / unmaskable layouts up front
-        self.tap = AuxTap(model, self.aux_layer_ids)
+        self.lean = LeanTarget.build(model, self.aux_layer_ids) if lean else None
+        self.tap = AuxTap(model, self.aux_layer_ids) if self.lean is None else None
         # Prefill needs the last position's logits only; a full-vocab lm_head over a long prompt is a
         # large share of the prefill (SmolLM2: 49k x 576 per token). HF generate skips it the same way.
         self.keeps_last = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -39,12 +45,28 @@ class TargetRunner:
         (kind, w), = kinds.items()  # attention_layout refused mixed layouts without per-type masks
         return one(kind, w)
 
+    def new_cache(self):
+        """An empty KV cache for one sequence (the lean path's own, or a transformers DynamicCache)."""
+        if self.lean is not None:
+            return self.lean.new_cache()
+        from transformers import DynamicCache
+        return DynamicCache()
+
+    def compact(self, cache, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None:
+        """Keep the accepted path: K/V rows src -> dst slots, the cache cut to new_len."""
+        if self.lean is not None:
+            cache.compact(src, dst, new_len)
+        else:
+            compact_cache(cache, src, dst, new_len)
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask=None, last_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions [n] -> (logits [n, V] fp32, or [1, V] for the last position when last_only;
         aux [n, 3H]); appends n rows to `cache`. mask: None (causal, the model builds it) or what
         `verify_masks` returns."""
+        if self.lean is not None:
+            return self.lean.forward(tokens.to(self.device), positions.to(self.device), cache, mask, last_only)
         keep = {"logits_to_keep": 1} if last_only and self.keeps_last else {}
         out = self.model(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
                          attention_mask=mask, past_key_values=cache, use_cache=True, **keep)

@@ -183,8 +183,7 @@ def test_ttt_logits_equal_decoder_chain_logits(family):
     gen = EagleGenerator(model, None, head, default_aux_layers(8))
     i, depth = 17, 4
     ids = random_ids(6, i + 2)  # tokens 0..i+1: the draft ingests 0..i, token i+1 is the tree's root
-    from transformers import DynamicCache
-    logits, aux = gen.target.forward(torch.tensor(ids[: i + 1]), torch.arange(i + 1), DynamicCache())
+    logits, aux = gen.target.forward(torch.tensor(ids[: i + 1]), torch.arange(i + 1), gen.target.new_cache())
     gen.draft.reset()
     hid, dlog = gen.draft.ingest(aux, torch.tensor(ids[1: i + 2]), torch.arange(i + 1))
     tree = gen.draft.build_tree(ids[i + 1], hid, dlog, i, 1, depth, depth + 1)

@@ -8,7 +8,6 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from infer.generate import EagleGenerator, SpecSettings
-from infer.target import compact_cache
 from infer.tree import Candidates, accept_greedy, compaction_indices, finalize, verify_mask
 from pipeline.target import default_aux_layers
 from test_pipeline_capture import make_random_target
@@ -76,36 +75,49 @@ def test_eos_past_max_new_tokens_is_not_kept():
     assert gen._finish([5, 6], s) == ([5, 6], None)
 
 
-def test_kv_after_second_branch_equals_fresh_forward(tiny_target):
+def cache_rows(gen, cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Committed K and V of one layer [1, kv_heads, length, head_dim], whichever cache the runner owns."""
+    if gen.target.lean is not None:
+        return cache.kv[layer, 0, None, :, :cache.length], cache.kv[layer, 1, None, :, :cache.length]
+    return cache.layers[layer].keys, cache.layers[layer].values
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf_forward"])
+def test_kv_after_second_branch_equals_fresh_forward(tiny_target, lean):
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target)
-    gen = EagleGenerator(model, tok, random_head(model.config, dtype=torch.float32), default_aux_layers(8))
+    gen = EagleGenerator(model, tok, random_head(model.config, dtype=torch.float32), default_aux_layers(8), lean)
+    assert (gen.target.lean is not None) == lean
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of Kaloria?"}],
                                   add_generation_prompt=True, return_dict=True)["input_ids"]
-    cache, plen = DynamicCache(), len(ids)
+    cache, plen = gen.target.new_cache(), len(ids)
     logits, aux = gen.target.forward(torch.tensor(ids), torch.arange(plen), cache)
     root = int(logits[-1].argmax())
     gen.draft.ingest(aux, torch.tensor(ids[1:] + [root]), torch.arange(plen))
     # The target's next two greedy tokens, offered as the SECOND child of the root (a wrong token first).
-    ref = hf_greedy(model, ids, 3)
+    ref = hf_greedy(model, ids, 4)
     assert ref[0] == root
     wrong = (ref[1] + 1) % len(tok)
     cands = Candidates([wrong, ref[1], ref[2]], [-1, -1, 1], [-0.1, -0.2, -0.3], [1, 1, 2])
     tree = finalize(root, cands, [0, 1, 2])
     logits, aux = gen.target.forward(tree.tokens, tree.positions(plen), cache, verify_mask(tree, plen, torch.float32))
     accepted, bonus = accept_greedy(tree, logits.argmax(-1))
-    assert accepted == [0, 2, 3]
+    assert accepted == [0, 2, 3] and bonus == ref[3]
     src, dst = compaction_indices(plen, accepted)
-    compact_cache(cache, src, dst, plen + len(accepted))
+    gen.target.compact(cache, src, dst, plen + len(accepted))
     committed = ids + [root, ref[1], ref[2]]
     fresh = DynamicCache()
     with torch.no_grad():
         model(input_ids=torch.tensor([committed]), past_key_values=fresh, use_cache=True)
-    for a, b in zip(cache.layers, fresh.layers):
-        cfg = model.config
-        assert a.keys.shape == b.keys.shape == (1, cfg.num_key_value_heads, len(committed), cfg.head_dim)
-        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+    cfg = model.config
+    for layer, b in enumerate(fresh.layers):
+        keys, values = cache_rows(gen, cache, layer)
+        assert keys.shape == b.keys.shape == (1, cfg.num_key_value_heads, len(committed), cfg.head_dim)
+        torch.testing.assert_close(keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values, b.values, atol=1e-5, rtol=1e-5)
+    # The next step on the compacted cache sees the committed sequence only, as a fresh forward does.
+    nxt, _ = gen.target.forward(torch.tensor([bonus]), torch.tensor([len(committed)]), cache)
+    assert int(nxt[-1].argmax()) == hf_greedy(model, committed + [bonus], 1)[0]
     gen.draft.ingest(aux[torch.tensor(accepted)], torch.tensor([ref[1], ref[2], bonus]), plen + torch.arange(3))
     assert gen.draft.cached == len(committed)  # committed positions only, no tree leftovers
 

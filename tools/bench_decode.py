@@ -4,8 +4,9 @@
         [--assistant runs/demo/assistant] [--prompts FILE.jsonl] [--n 40] [--max-new-tokens 96]
         [--top-k 4] [--depth 5] [--total-tokens 16]
 
-Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, EAGLE chain (top_k 1, same depth),
-HF prompt-lookup decoding, HF assisted generation with a 2-layer assistant trained by
+Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, EAGLE chain (top_k 1, same depth), the
+same tree decoded on the HF forward instead of the lean one (`eagle_tree_hf_forward`; differs from
+`eagle_tree` only for Llama-shaped targets, infer/lean_target.py), HF prompt-lookup decoding, HF assisted generation with a 2-layer assistant trained by
 tools/demo_target.py (built on first use when missing). Each prompt runs every method in turn, so
 drift on a shared machine hits all alike. tau = new tokens / target forwards after prefill.
 For our own loops the JSON also has `round_split` (seconds per round: draft = tree growth + ingest,
@@ -68,6 +69,9 @@ def main(argv=None) -> dict:
     gen = EagleGenerator.from_folders(args.target, args.head)
     model, tok = gen.target.model, gen.tokenizer
     counter = ForwardCounter(model)
+    gen_hf = None
+    if "eagle_tree_hf_forward" not in args.skip:  # shares the model and head; adds 3 aux hooks to HF's forward
+        gen_hf = EagleGenerator(model, tok, gen.draft.head, gen.target.aux_layer_ids, lean=False)
     assistant = None
     if "assisted" not in args.skip:
         assistant = AutoModelForCausalLM.from_pretrained(ensure_assistant(args.assistant, args.target)).eval()
@@ -88,6 +92,7 @@ def main(argv=None) -> dict:
         "vanilla": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, vanilla)),
         "eagle_tree": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, tree)),
         "eagle_chain": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, chain)),
+        "eagle_tree_hf_forward": lambda ids: (lambda g: (g.tokens, g.stats))(gen_hf.generate(ids, tree)),
         "prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
         "assisted": lambda ids: hf(ids, assistant_model=assistant),
     }
@@ -117,17 +122,17 @@ def main(argv=None) -> dict:
                 ref = tokens if ref is None else ref
                 a["match"] += tokens == ref
     base = agg["hf_generate"]["tokens"] / agg["hf_generate"]["seconds"] if "hf_generate" in agg else None
-    result = {"depth": args.depth, "prompts": len(texts), "max_new_tokens": n_new,
+    result = {"lean_target": gen.target.lean is not None, "depth": args.depth, "prompts": len(texts), "max_new_tokens": n_new,
               "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}}
     for name, a in agg.items():
         tps = a["tokens"] / a["seconds"]
         entry = {"tau": round(a["tokens"] / max(1, a["forwards"]), 3), "tokens_per_s": round(tps, 1),
                  "speedup_vs_hf": round(tps / base, 3) if base else None,
                  "greedy_match": f"{a['match']}/{len(texts)}"}
-        if name in ("eagle_tree", "eagle_chain"):
+        if name.startswith("eagle_"):
             rounds = max(1, len(a["accepted"]))
             entry["accept_by_depth"] = [round(sum(x > d for x in a["accepted"]) / rounds, 3) for d in range(args.depth)]
-        if name in ("vanilla", "eagle_tree", "eagle_chain"):
+        if name == "vanilla" or name.startswith("eagle_"):
             rounds = max(1, len(a["accepted"]))
             entry["round_split"] = {k: round(v / rounds, 5) for k, v in a["split"].items()}
             share = sum(a["split"].values())
@@ -136,7 +141,7 @@ def main(argv=None) -> dict:
     if "vanilla" in result:
         t_step = result["vanilla"]["round_split"]["verify"]
         van_tps = result["vanilla"]["tokens_per_s"]
-        for name in ("eagle_tree", "eagle_chain"):
+        for name in ("eagle_tree", "eagle_chain", "eagle_tree_hf_forward"):
             if name in result:
                 rs = result[name]["round_split"]
                 result[name]["model_speedup"] = round(result[name]["tau"] * t_step / (rs["verify"] + rs["draft"]), 3)

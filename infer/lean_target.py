@@ -1,0 +1,149 @@
+"""A lean forward for Llama-shaped targets: the HF model's own modules, a KV cache we own, no per-call
+machinery (docs/ARCHITECTURE.md "Lean target").
+
+Most of a small target's decode step on CPU is not its matmuls but what wraps them (mask builders, cache
+objects, output records, hooks). For the families whose decoder layer is exactly
+`x + o(attn(rope(q), rope(k), v))` then `x + mlp(norm(x))` (Llama, Mistral and Qwen2 without a sliding
+window, Qwen3 with its q/k norms), this module runs the same submodules in that order on a preallocated
+cache: K/V are written at slots, accepted paths are compacted by one `index_copy_` over every layer, and
+the aux states come from the loop instead of hooks. Every other family keeps the HF forward.
+
+`LeanTarget.build` runs one short prompt through both forwards and refuses (returns None, with a log line)
+when the logits differ, so an unforeseen variant of a supported family falls back instead of decoding
+another model.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.target import FULL, attention_layout, text_config
+
+log = logging.getLogger(__name__)
+
+LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class StaticKV:
+    """K and V of every layer in one tensor [L, 2, kv_heads, capacity, head_dim]; slots [0, length) are
+    the committed sequence. Capacity doubles when a write would overflow (kept across requests)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, like: torch.Tensor, capacity: int = 512):
+        self.kv = like.new_empty((layers, 2, kv_heads, capacity, head_dim))  # slots are written before read
+        self.length = 0
+
+    def reserve(self, end: int) -> None:
+        cap = self.kv.shape[3]
+        if end > cap:
+            pad = self.kv.new_empty((*self.kv.shape[:3], max(end, 2 * cap) - cap, self.kv.shape[4]))
+            self.kv = torch.cat([self.kv, pad], dim=3)
+
+    def compact(self, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None:
+        """Move slots src -> dst in every layer at once, then keep [0, new_len)."""
+        s, d = src.to(self.kv.device), dst.to(self.kv.device)
+        self.kv.index_copy_(3, d, self.kv.index_select(3, s))
+        self.length = new_len
+
+
+def lean_unsupported(model) -> str | None:
+    """Why `model` cannot take the lean forward, or None when it can (family, layout, module names)."""
+    cfg = text_config(model.config)
+    if cfg.model_type not in LEAN_FAMILIES:
+        return f"model_type {cfg.model_type!r} is not one of {LEAN_FAMILIES}"
+    if attention_layout(model).types != (FULL,) * cfg.num_hidden_layers:
+        return "sliding-window or chunked layers"
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(model).__name__}.model lacks embed_tokens / layers / norm / rotary_emb"
+    for layer in inner.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(hasattr(attn, p) for p in _ATTN_PARTS) or not hasattr(layer, "mlp"):
+            return f"{type(layer).__name__} is not q/k/v/o_proj + mlp"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanTarget:
+    def __init__(self, model, aux_layer_ids: list[int]):
+        cfg = text_config(model.config)
+        self.model = model
+        self.inner = model.model
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.weight = next(model.parameters())
+
+    @classmethod
+    def build(cls, model, aux_layer_ids: list[int]) -> "LeanTarget | None":
+        """A LeanTarget when the family is supported and its logits equal the HF forward's on a probe."""
+        why = lean_unsupported(model)
+        if why is None:
+            lean = cls(model, aux_layer_ids)
+            why = lean.probe()
+            if why is None:
+                return lean
+        log.info("target keeps the HF forward: %s", why)
+        return None
+
+    @torch.no_grad()
+    def probe(self, n: int = 12) -> str | None:
+        ids = torch.arange(3, 3 + n, device=self.weight.device) % self.model.config.vocab_size
+        want = self.model(input_ids=ids[None], use_cache=False).logits[0].float()
+        got, _ = self.forward(ids, torch.arange(n, device=ids.device), self.new_cache())
+        err = (got - want).abs().max().item()
+        return None if err <= 1e-4 * max(1.0, want.abs().max().item()) else f"probe logits differ by {err:.3g}"
+
+    def new_cache(self) -> StaticKV:
+        return StaticKV(len(self.inner.layers), self.kv_heads, self.head_dim, self.weight)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKV, mask=None,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [n] written at cache slots [length, length + n) -> (logits [n, V] fp32 or
+        [1, V] when last_only, aux [n, 3H]). mask: None (causal), an additive / bool [1, 1, n, length + n],
+        or {full_attention: that mask} as `TargetRunner.verify_masks` gives it."""
+        n, start = tokens.shape[0], cache.length
+        end = start + n
+        if isinstance(mask, dict):  # models that take {layer type: mask}; lean targets have one type
+            mask = mask[FULL]
+        cache.reserve(end)
+        causal = mask is None and n > 1
+        if causal and start > 0:  # new rows see the whole prefix and each other causally
+            mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
+            causal = False
+        x = self.inner.embed_tokens(tokens)[None]
+        cos, sin = self.inner.rotary_emb(x, positions[None])
+        cos, sin = cos[:, None], sin[:, None]
+        aux = []
+        for i, layer in enumerate(self.inner.layers):
+            x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal)
+            if i in self.aux_layer_ids:
+                aux.append(x[0])
+        cache.length = end
+        h = self.inner.norm(x[:, -1:] if last_only else x)
+        return self.model.lm_head(h)[0].float(), torch.cat(aux, dim=-1)
+
+    def _layer(self, layer, x, cos, sin, kv, start: int, end: int, mask, causal: bool) -> torch.Tensor:
+        """One decoder layer in HF's order; writes this layer's K/V (kv [2, kv_heads, capacity, D])."""
+        a, n = layer.self_attn, x.shape[1]
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(1, n, self.heads, self.head_dim)
+        k = a.k_proj(h).view(1, n, self.kv_heads, self.head_dim)
+        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = a.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        kv[0, :, start:end] = k[0] * cos[0] + _rotate_half(k[0]) * sin[0]
+        kv[1, :, start:end] = v[0]
+        o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
+                                           is_causal=causal, scale=a.scaling, enable_gqa=True)
+        x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
