@@ -41,7 +41,7 @@ def llm_config(cfg) -> "object":
         bundle["GPU"] = cfg.num_gpus_per_replica
     else:
         engine["gpu_memory_utilization"] = v.gpu_memory_utilization
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(v.kv_cache_gb)} if cfg.num_gpus_per_replica == 0 else {}
+    env = v.cpu_env() if cfg.num_gpus_per_replica == 0 else {}
     return LLMConfig(model_loading_config={"model_id": cfg.model_name, "model_source": str(cfg.target)},
                      engine_kwargs=engine, placement_group_config={"bundles": [bundle]},
                      deployment_config={"num_replicas": cfg.num_replicas,

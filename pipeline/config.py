@@ -49,6 +49,17 @@ class VllmEngine(StrictModel):
     kv_cache_gb: int = Field(1, ge=1)                 # CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enforce_eager: bool = True                        # no graph capture: starts in seconds on CPU
+    # vLLM's CPU build binds its engine's OpenMP threads itself: "auto" keeps one core per engine for its
+    # scheduler process (on a 2-core box the engine computes on ONE core); "0-1" etc. names the cores.
+    cpu_threads_bind: str = "auto"                    # VLLM_CPU_OMP_THREADS_BIND
+    cpu_reserved: int | None = Field(None, ge=0)      # VLLM_CPU_NUM_OF_RESERVED_CPU; None: vLLM's own
+
+    def cpu_env(self) -> dict[str, str]:
+        """The environment vLLM's CPU build reads these options from."""
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": self.cpu_threads_bind}
+        if self.cpu_reserved is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.cpu_reserved)
+        return env
 
     def engine_dtype(self, gpu: bool) -> str:
         """The dtype vLLM gets: "auto" is our rule (`target.auto_dtype`), so vLLM runs the same model as

@@ -180,7 +180,8 @@ class VllmRegenerator(TurnRegenerator):
 
     def __init__(self, target: str, cfg: Regenerate, chat: ChatTemplate, parts: dict | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm.kv_cache_gb))
+        for key, value in cfg.vllm.cpu_env().items():
+            os.environ.setdefault(key, value)
         super().__init__(target, cfg, chat, parts)
         from vllm import LLM
 

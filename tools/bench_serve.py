@@ -47,13 +47,15 @@ def level(base_url: str, model: str, prompts: list[str], concurrency: int, max_t
 
 
 def deployment(backend: str, target: Path, head: Path | None, port: int, k: int, threads: int,
-               vllm_dtype: str = "auto") -> ServeConfig:
+               vllm_dtype: str = "auto", vllm_bind: str = "auto", vllm_eager: bool = True) -> ServeConfig:
     name = f"{backend}-{'spec' if head else 'vanilla'}"
     common = dict(backend=backend, target=target, head=head, model_name=name, app_name=name, port=port,
                   max_ongoing_requests=64, max_tokens_limit=2048)
     if backend == "vllm":
         return ServeConfig(**common, num_cpus_per_replica=1, speculative={"mode": "chain", "depth": k},
-                           vllm={"max_model_len": 2048, "dtype": vllm_dtype, "max_num_seqs": 64})
+                           vllm={"max_model_len": 2048, "dtype": vllm_dtype, "max_num_seqs": 64,
+                                 "cpu_threads_bind": vllm_bind, "cpu_reserved": None if vllm_bind == "auto" else 0,
+                                 "enforce_eager": vllm_eager})
     return ServeConfig(**common, num_cpus_per_replica=0.5, threads_per_replica=threads)
 
 
@@ -70,16 +72,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of an eagleray replica")
     ap.add_argument("--vllm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="vLLM weights (auto: fp32 on CPU, the model the eagleray backend serves)")
+    ap.add_argument("--vllm-bind", default="auto",
+                    help='vLLM engine cores (VLLM_CPU_OMP_THREADS_BIND): "auto" keeps one for its scheduler, '
+                         '"0-1" gives the engine both cores of a 2-core box')
+    ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile its model (enforce_eager off)")
     args = ap.parse_args(argv)
     from ray import serve
 
     levels = [int(x) for x in args.levels.split(",")]
     prompts = default_prompts(None, args.requests_per_level)
     result: dict = {"requests_per_level": len(prompts), "max_tokens": args.max_tokens, "k_vllm": args.k,
-                    "vllm_dtype": args.vllm_dtype}
+                    "vllm_dtype": args.vllm_dtype, "vllm_bind": args.vllm_bind, "vllm_compile": args.vllm_compile}
     for backend in args.backends.split(","):
         for head in (args.head_dir / HEADS[backend], None):
-            cfg = deployment(backend, args.target, head, args.port, args.k, args.threads, args.vllm_dtype)
+            cfg = deployment(backend, args.target, head, args.port, args.k, args.threads, args.vllm_dtype,
+                             args.vllm_bind, not args.vllm_compile)
             t0 = time.perf_counter()
             url = start(cfg) + "/v1"
             level(url, cfg.model_name, prompts[:2], 1, 8)  # warm-up
