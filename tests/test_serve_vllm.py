@@ -52,3 +52,17 @@ def test_vllm_backend_validation(vllm_server):
         c.chat.completions.create(model="nope", messages=MSGS, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=100000)
+
+
+def test_llm_config_carries_the_cpu_engine_environment(tiny_target):
+    """vllm.* CPU options reach the engine's environment through Ray Serve LLM's runtime_env."""
+    from infer.serve import ServeConfig
+    from infer.serve_vllm import llm_config
+
+    cfg = ServeConfig(backend="vllm", target=tiny_target, model_name=MODEL, num_cpus_per_replica=1,
+                      vllm={"kv_cache_gb": 2, "cpu_threads_bind": "0-1", "cpu_reserved": 0})
+    env = llm_config(cfg).runtime_env["env_vars"]
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    default = llm_config(ServeConfig(backend="vllm", target=tiny_target, model_name=MODEL)).runtime_env["env_vars"]
+    assert default == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
