@@ -31,9 +31,9 @@ def test_mask_and_positions_by_hand(step):
 def test_blocked_attention_equals_dense_mask():
     torch.manual_seed(0)
     b, h, t, d, s = 2, 3, 6, 8, 3
-    q = torch.randn(b, h, t, d, dtype=torch.float64)
-    keys = [torch.randn(b, h, t, d, dtype=torch.float64) for _ in range(s + 1)]
-    vals = [torch.randn(b, h, t, d, dtype=torch.float64) for _ in range(s + 1)]
+    q = torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True)
+    keys = [torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True) for _ in range(s + 1)]
+    vals = [torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True) for _ in range(s + 1)]
     causal = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)
     got = ttt_attention(q, keys, vals, causal)
     dense_k, dense_v = torch.cat(keys, dim=2), torch.cat(vals, dim=2)
@@ -41,6 +41,11 @@ def test_blocked_attention_equals_dense_mask():
     scores = scores.masked_fill(~ttt_attention_mask(t, s), float("-inf"))
     want = torch.softmax(scores, -1) @ dense_v
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    # The gradients too: the blocked backward (one split of the softmax) is the dense one's.
+    w = torch.randn_like(got)
+    inputs = [q, *keys, *vals]
+    for a, b_ in zip(torch.autograd.grad((got * w).sum(), inputs), torch.autograd.grad((want * w).sum(), inputs)):
+        torch.testing.assert_close(a, b_, atol=1e-12, rtol=1e-12)
 
 
 def test_shift_and_tau():
