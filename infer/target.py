@@ -1,7 +1,8 @@
 """The target side of speculative decoding: any HF causal LM on its own KV cache, with aux capture.
 
-Forward hooks on the decoder layers collect the same aux states as the pipeline's capture rule, during
-prefill and during every tree verify, so the draft never needs a second pass over the target. Verify
+The aux states (the pipeline's capture rule) come out of prefill and every tree verify, so the draft never
+needs a second pass over the target: from the layer loop of the lean forward (Llama-shaped targets,
+infer/lean_target.py) or from forward hooks on the decoder layers of any other HF model. Verify
 masks follow the target's attention layout (docs/ARCHITECTURE.md "Verify masks"): a sliding-window
 layer must not see more of the prefix during verify than it does in prefill and in HF generate.
 """
