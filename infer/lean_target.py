@@ -18,6 +18,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pipeline.target import FULL, attention_layout, text_config
 
@@ -28,8 +29,8 @@ _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class StaticKV:
-    """K and V of every layer in one tensor [L, 2, kv_heads, capacity, head_dim]; slots [0, length) are
-    the committed sequence. Capacity doubles when a write would overflow (kept across requests)."""
+    """K and V of every layer in one tensor [L, 2, kv_heads, capacity, head_dim], one per sequence; slots
+    [0, length) are the committed sequence. Capacity doubles when a write would overflow."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, like: torch.Tensor, capacity: int = 512):
         self.kv = like.new_empty((layers, 2, kv_heads, capacity, head_dim))  # slots are written before read
@@ -63,11 +64,6 @@ def lean_unsupported(model) -> str | None:
         if attn is None or not all(hasattr(attn, p) for p in _ATTN_PARTS) or not hasattr(layer, "mlp"):
             return f"{type(layer).__name__} is not q/k/v/o_proj + mlp"
     return None
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanTarget:
@@ -120,7 +116,6 @@ class LeanTarget:
             causal = False
         x = self.inner.embed_tokens(tokens)[None]
         cos, sin = self.inner.rotary_emb(x, positions[None])
-        cos, sin = cos[:, None], sin[:, None]
         aux = []
         for i, layer in enumerate(self.inner.layers):
             x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal)
@@ -140,8 +135,8 @@ class LeanTarget:
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = a.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        kv[0, :, start:end] = k[0] * cos[0] + _rotate_half(k[0]) * sin[0]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        kv[0, :, start:end] = k[0]
         kv[1, :, start:end] = v[0]
         o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
                                            is_causal=causal, scale=a.scaling, enable_gqa=True)

@@ -6,9 +6,9 @@
 
 Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, EAGLE chain (top_k 1, same depth), the
 same tree decoded on the HF forward instead of the lean one (`eagle_tree_hf_forward`; differs from
-`eagle_tree` only for Llama-shaped targets, infer/lean_target.py), HF prompt-lookup decoding, HF assisted generation with a 2-layer assistant trained by
-tools/demo_target.py (built on first use when missing). Each prompt runs every method in turn, so
-drift on a shared machine hits all alike. tau = new tokens / target forwards after prefill.
+`eagle_tree` only for Llama-shaped targets, infer/lean_target.py), HF prompt-lookup decoding, HF
+assisted generation with a 2-layer assistant trained by tools/demo_target.py (built on first use when
+missing). Each prompt runs every method in turn, so drift on a shared machine hits all alike. tau = new tokens / target forwards after prefill.
 For our own loops the JSON also has `round_split` (seconds per round: draft = tree growth + ingest,
 verify = the target forward, accept = acceptance + KV compaction, other = the rest of the loop) and
 `model_speedup`, the cost model's prediction tau x T_step / (T_verify + T_draft) from the measured tau and
@@ -122,8 +122,8 @@ def main(argv=None) -> dict:
                 ref = tokens if ref is None else ref
                 a["match"] += tokens == ref
     base = agg["hf_generate"]["tokens"] / agg["hf_generate"]["seconds"] if "hf_generate" in agg else None
-    result = {"lean_target": gen.target.lean is not None, "depth": args.depth, "prompts": len(texts), "max_new_tokens": n_new,
-              "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}}
+    result = {"lean_target": gen.target.lean is not None, "depth": args.depth, "prompts": len(texts),
+              "max_new_tokens": n_new, "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}}
     for name, a in agg.items():
         tps = a["tokens"] / a["seconds"]
         entry = {"tau": round(a["tokens"] / max(1, a["forwards"]), 3), "tokens_per_s": round(tps, 1),
