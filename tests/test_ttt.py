@@ -5,6 +5,7 @@ import torch
 from trainer.head import Eagle3Head
 from trainer.ttt import (TTTObjective, shift_left, simulated_tau, step_loss, target_distribution, target_rows,
                          ttt_attention, ttt_attention_mask, ttt_positions, ttt_unroll)
+from trainer.ttt_flash import ttt_attention_flash
 
 # Step 3, T=6, hand-written: keys are step 0 (causal), then steps 1, 2, 3 (same position only).
 STEP3 = [
@@ -28,24 +29,63 @@ def test_mask_and_positions_by_hand(step):
     assert ttt_positions(6, step).tolist() == [step + i for i in range(6)]
 
 
-def test_blocked_attention_equals_dense_mask():
-    torch.manual_seed(0)
-    b, h, t, d, s = 2, 3, 6, 8, 3
-    q = torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True)
-    keys = [torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True) for _ in range(s + 1)]
-    vals = [torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True) for _ in range(s + 1)]
-    causal = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)
-    got = ttt_attention(q, keys, vals, causal)
+def dense_attention(q, keys, vals, s):
+    """The reference: softmax over the dense [T, T * (s + 1)] mask of ttt_attention_mask."""
     dense_k, dense_v = torch.cat(keys, dim=2), torch.cat(vals, dim=2)
-    scores = q @ dense_k.transpose(-1, -2) / d ** 0.5
-    scores = scores.masked_fill(~ttt_attention_mask(t, s), float("-inf"))
-    want = torch.softmax(scores, -1) @ dense_v
+    scores = q @ dense_k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~ttt_attention_mask(q.shape[2], s), float("-inf"))
+    return torch.softmax(scores, -1) @ dense_v
+
+
+def attention_inputs(s, dtype, b=2, h=3, t=6, d=8, seed=0):
+    torch.manual_seed(seed)
+    make = lambda: torch.randn(b, h, t, d, dtype=torch.float64).to(dtype).requires_grad_()  # noqa: E731
+    return make(), [make() for _ in range(s + 1)], [make() for _ in range(s + 1)]
+
+
+def run_attention(kind, q, keys, vals):
+    if kind == "flash":
+        return ttt_attention_flash(q, keys, vals)
+    t = q.shape[2]
+    return ttt_attention(q, keys, vals, torch.full((t, t), float("-inf"), dtype=q.dtype).triu(1))
+
+
+@pytest.mark.parametrize("kind", ["blocked", "flash"])
+@pytest.mark.parametrize("s", [0, 1, 3])
+def test_ttt_attention_equals_dense_mask(kind, s):
+    """Both kernels, values and gradients, against the dense mask in fp64 (T=13 spans flash's tiles
+    unevenly; step 0 has no diagonal keys)."""
+    q, keys, vals = attention_inputs(s, torch.float64, t=13)
+    got, want = run_attention(kind, q, keys, vals), dense_attention(q, keys, vals, s)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
-    # The gradients too: the blocked backward (one split of the softmax) is the dense one's.
+    # The gradients too: the blocked backward (one split of the softmax) and the flash one (the kernel's
+    # backward handed the merged out and log-sum-exp) are the dense one's.
     w = torch.randn_like(got)
     inputs = [q, *keys, *vals]
     for a, b_ in zip(torch.autograd.grad((got * w).sum(), inputs), torch.autograd.grad((want * w).sum(), inputs)):
         torch.testing.assert_close(a, b_, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_flash_attention_in_training_dtypes(dtype, tol):
+    """fp32 and bf16 (DeepSpeed's two dtypes) against the fp64 dense reference, gradients included."""
+    q, keys, vals = attention_inputs(2, dtype, t=40, d=16)
+    got = ttt_attention_flash(q, keys, vals)
+    assert got.dtype == dtype
+    ref = [x.detach().double().requires_grad_() for x in (q, *keys, *vals)]
+    want = dense_attention(ref[0], ref[1:4], ref[4:], 2)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    w = torch.randn_like(want)
+    for a, b_ in zip(torch.autograd.grad((got.double() * w).sum(), [q, *keys, *vals]),
+                     torch.autograd.grad((want * w).sum(), ref)):
+        torch.testing.assert_close(a.double(), b_, atol=tol * 4, rtol=tol * 4)
+
+
+def test_flash_refused_where_the_kernel_does_not_run():
+    head = tiny_head().half()
+    aux, emb = torch.randn(1, 5, 96, dtype=torch.half), torch.randn(1, 5, 32, dtype=torch.half)
+    with pytest.raises(ValueError, match="model.attention: flash"):
+        next(ttt_unroll(head, aux, emb, 2, flash=True))
 
 
 def test_shift_and_tau():
@@ -151,6 +191,34 @@ def dense_objective(head, aux, emb, tlogits, mask, steps, decay):
         logp = torch.log_softmax(logits, dim=-1)
         total = total + decay ** s * -(pm.unsqueeze(-1) * shift_left(p, 1 + s) * logp).sum(-1).mean()
     return total
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+def test_flash_attention_keeps_the_loss_curve(dtype, tol):
+    """Same seed, same batch, 8 AdamW steps: the objective on the flash kernel and on the blocked one give
+    the same loss at every step, and the loss falls."""
+    torch.manual_seed(4)
+    b, t, steps = 3, 23, 5
+    aux = torch.randn(b, t, 96, dtype=dtype)
+    emb = torch.randn(b, t, 32, dtype=dtype)
+    tlogits = torch.randn(b, t, 40, dtype=dtype) * 3
+    mask = (torch.rand(b, t) < 0.7).long()
+    curves = {}
+    for attention in ("flash", "blocked"):
+        head = tiny_head().to(dtype)
+        objective = TTTObjective(head, steps, 0.8, attention)
+        opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+        targets = compact_targets(tlogits, mask, head.t2d)
+        curve = []
+        for _ in range(8):
+            loss = objective(aux, emb, *targets, mask)["loss"]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        curves[attention] = curve
+    assert max(abs(a - d) for a, d in zip(curves["flash"], curves["blocked"])) < tol, curves
+    assert curves["flash"][-1] < curves["flash"][0] - 0.1, curves
 
 
 def test_sparse_objective_keeps_the_loss_curve():

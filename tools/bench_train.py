@@ -3,6 +3,7 @@ the share of this machine's fp32 matmul peak the trainer reaches, and what Ray's
 
     python tools/bench_train.py [--shape demo=runs/demo/target,runs/demo/data/capture]
                                 [--shape smollm2=runs/smollm2/target,runs/smollm2/data/capture] [--steps 12]
+                                [--compare-blocked]
 
 All runs share one Ray instance and the same data order; each run's first log window (start-up,
 first-touch allocations) is dropped. The peak is a large fp32 GEMM on one thread (a worker's share),
@@ -132,7 +133,7 @@ def measure(base: dict, out: Path, **over) -> dict:
             "step_s": round(statistics.median(r["step_s"] for r in recs), 4), "windows": len(recs)}
 
 
-def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path) -> dict:
+def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path, blocked: bool) -> dict:
     from pipeline.shards import read_manifest
 
     base = {"target": target, "data": {"shards": shards, "max_tokens_per_batch": 2048,
@@ -147,6 +148,11 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
     two = measure(base, work / "w2", **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
     ray_share = (ray_cpu.sample() - cpu0) / (time.perf_counter() - t0)
     by_ttt = {str(t): one if t == 7 else measure(base, work / f"ttt{t}", **{"model.ttt_length": t}) for t in ttts}
+    extra = {}
+    if blocked:  # the materialised TTT attention (trainer/ttt.py) against the default kernel, 1 worker
+        ref = measure(base, work / "blocked", **{"model.attention": "blocked"})
+        extra = {"tokens_per_s_blocked_1w": ref["tokens_per_s"],
+                 "default_vs_blocked_1w": round(one["tokens_per_s"] / ref["tokens_per_s"], 3)}
     man = read_manifest(Path(shards))
     vocab = int(man.get("draft_vocab_size") or 0) or _draft_vocab(Path(shards))
     seq = man["tokens"] / max(1, man["rows"])
@@ -161,7 +167,7 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
             "tokens_per_s": {"1": one["tokens_per_s"], "2": two["tokens_per_s"]},
             "workers2_vs_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
             "ray_processes_cpu_during_2_workers": round(ray_share, 3),
-            "step_s_by_ttt": {k: v["step_s"] for k, v in by_ttt.items()}}
+            "step_s_by_ttt": {k: v["step_s"] for k, v in by_ttt.items()}, **extra}
 
 
 def main(argv=None) -> dict:
@@ -169,6 +175,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--shape", action="append", help=f"NAME=TARGET,SHARDS (repeatable; default {DEFAULT_SHAPE})")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--ttt", default="1,4,7", help="TTT lengths for the step-time sweep (7 is the main run)")
+    ap.add_argument("--compare-blocked", action="store_true",
+                    help="also run 1 worker on the blocked TTT attention (model.attention=blocked)")
     args = ap.parse_args(argv)
     shapes = {}
     for spec in args.shape or [DEFAULT_SHAPE]:
@@ -182,7 +190,7 @@ def main(argv=None) -> dict:
     peak2 = concurrent_peak_gflops(2)
     ensure_ray()
     with tempfile.TemporaryDirectory() as d:
-        per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name) for name, (t, s) in shapes.items()}
+        per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked) for name, (t, s) in shapes.items()}
     for r in per.values():
         r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)
     result = {"matmul_peak_gflops": round(peak, 2), "matmul_peak_2proc_gflops": round(peak2, 2),

@@ -45,6 +45,8 @@ class Model(StrictModel):
     decay: float = Field(0.8, gt=0, le=1)
     intermediate_size: int | None = None      # default: the target's
     init_from: ExistingPath | None = None     # an exported head (SGLang or speculators) to start from
+    attention: Literal["auto", "flash", "blocked"] = "auto"  # TTT attention kernel (ARCHITECTURE.md §5):
+    #                                           auto = PyTorch's CPU flash kernel where it runs, else blocked
 
 
 class Scaling(StrictModel):

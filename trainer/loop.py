@@ -78,7 +78,7 @@ class HeadTrainer:
                   "oneDNN emulates it, ~100x slower than fp32 here; use deepspeed.dtype: fp32", flush=True)
         self.target = parts.to(self.device, self.compute_dtype)
         self.t2d = t2d.to(self.device)
-        self.engine = self._engine(TTTObjective(head, cfg.model.ttt_length, cfg.model.decay))
+        self.engine = self._engine(TTTObjective(head, cfg.model.ttt_length, cfg.model.decay, cfg.model.attention))
         self.head = self.engine.module.head
         inv = self.head.rotary.inv_freq
         assert inv.dtype == torch.float32, f"head RoPE inv_freq is {inv.dtype} after engine init, must stay fp32"

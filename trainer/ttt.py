@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainer.ttt_flash import flash_available, ttt_attention_flash
+
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
     """Softmax-style reductions run in at least fp32 (bf16/fp16 inputs are widened, fp64 kept)."""
@@ -124,13 +126,19 @@ def step_weights(ttt_length: int, decay: float) -> list[float]:
     return [decay ** s for s in range(ttt_length)]
 
 
-def ttt_unroll(head, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int):
+def ttt_unroll(head, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int, flash: bool | None = None):
     """The TTT steps of an Eagle3Head over a padded batch (index rules above): yields step s's output
     hidden [B, T, H] (pre-norm; `head.logits` of it are the step's logits) for s = 0 .. ttt_length-1.
-    aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids."""
+    aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids. flash: the CPU flash kernel
+    (trainer/ttt_flash.py) for the attention; None = wherever it runs, False = the blocked reference."""
     b, t, _ = emb.shape
     h = head.fc(aux)
-    causal = torch.full((t, t), float("-inf"), device=emb.device, dtype=h.dtype).triu(1)
+    if flash is None:
+        flash = flash_available(h)
+    elif flash and not flash_available(h):
+        raise ValueError(f"model.attention: flash needs PyTorch's CPU flash kernel (CPU fp32 / fp64 / bf16), "
+                         f"not {h.device.type} {h.dtype}; use auto or blocked")
+    causal = None if flash else torch.full((t, t), float("-inf"), device=emb.device, dtype=h.dtype).triu(1)
     attn_mod = head.midlayer.self_attn
     keys, values = [], []
     for s in range(ttt_length):
@@ -138,7 +146,8 @@ def ttt_unroll(head, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int):
         q, k, v = head.qkv(h, shift_left(emb, 1 + s), pos)
         keys.append(attn_mod.expand(k))
         values.append(attn_mod.expand(v))
-        h = head.finish(h, ttt_attention(q, keys, values, causal))
+        attn = ttt_attention_flash(q, keys, values) if flash else ttt_attention(q, keys, values, causal)
+        h = head.finish(h, attn)
         yield h
 
 
@@ -149,9 +158,10 @@ class TTTObjective(nn.Module):
     The draft lm_head, the softmax and the loss run only on the positions a step counts (loss tokens
     inside the sequence): prompt, padding and the tail past the sequence cost no vocab-sized work."""
 
-    def __init__(self, head: nn.Module, ttt_length: int, decay: float):
+    def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto"):
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
+        self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self._register_load_state_dict_pre_hook(_add_head_prefix)
 
     def forward(self, aux: torch.Tensor, emb: torch.Tensor, target_p: torch.Tensor, target_argmax: torch.Tensor,
@@ -161,7 +171,7 @@ class TTTObjective(nn.Module):
         total = aux.new_zeros((), dtype=torch.float32)
         positions = loss_mask.numel()
         losses, correct, counted = [], [], []
-        for s, x in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length)):
+        for s, x in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length, self.flash)):
             sel = shift_left(loss_mask, 2 + s).flatten().nonzero().squeeze(1)
             rows = shift_left(target_row, 1 + s, fill=-1).flatten()[sel]
             logits = self.head.logits(x.flatten(0, 1)[sel])
