@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from trainer.head import Eagle3Head
-from trainer.ttt import (TTTObjective, shift_left, simulated_tau, step_loss, target_distribution, target_rows,
-                         ttt_attention, ttt_attention_mask, ttt_positions, ttt_unroll)
+from trainer.ttt import (TTTObjective, row_argmax, shift_left, simulated_tau, step_loss, target_distribution,
+                         target_rows, ttt_attention, ttt_attention_mask, ttt_positions, ttt_unroll)
 from trainer.ttt_flash import ttt_attention_flash
 
 # Step 3, T=6, hand-written: keys are step 0 (causal), then steps 1, 2, 3 (same position only).
@@ -86,6 +86,13 @@ def test_flash_refused_where_the_kernel_does_not_run():
     aux, emb = torch.randn(1, 5, 96, dtype=torch.half), torch.randn(1, 5, 32, dtype=torch.half)
     with pytest.raises(ValueError, match="model.attention: flash"):
         next(ttt_unroll(head, aux, emb, 2, flash=True))
+
+
+def test_row_argmax_takes_the_first_maximum_like_argmax():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -1.0, -3.0]])
+    assert row_argmax(x).tolist() == x.argmax(-1).tolist() == [1, 0, 0]
+    big = torch.randn(64, 8192).round(decimals=1)  # many ties at the top
+    assert torch.equal(row_argmax(big), big.argmax(-1))
 
 
 def test_shift_and_tau():

@@ -69,10 +69,16 @@ def target_rows(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return need, row
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (first maximal index, as argmax): `max(-1).indices` is the same answer in
+    half the time of CPU `argmax` on [rows, vocab] (measured 20 vs 10 ms on [1100, 8192], one thread)."""
+    return x.max(-1).indices
+
+
 def target_distribution(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits over the full vocab -> (p over the draft vocab, renormalised; target argmax id).
     The argmax needs every vocab row (is it in the draft vocab at all?), so the full lm_head stays."""
-    return torch.softmax(_wide(target_logits[..., t2d]), dim=-1), target_logits.argmax(-1)
+    return torch.softmax(_wide(target_logits[..., t2d]), dim=-1), row_argmax(target_logits)
 
 
 def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor, positions: int) -> torch.Tensor:
@@ -84,7 +90,7 @@ def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.
 
 def step_correct(draft_logits: torch.Tensor, d2t: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
     """Per position: draft argmax mapped to target ids equals the target's argmax."""
-    draft_ids = draft_logits.argmax(-1)
+    draft_ids = row_argmax(draft_logits)
     return (draft_ids + d2t[draft_ids]) == target_argmax
 
 
