@@ -190,7 +190,8 @@ def main(argv=None) -> dict:
     peak2 = concurrent_peak_gflops(2)
     ensure_ray()
     with tempfile.TemporaryDirectory() as d:
-        per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked) for name, (t, s) in shapes.items()}
+        per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked)
+               for name, (t, s) in shapes.items()}
     for r in per.values():
         r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)
     result = {"matmul_peak_gflops": round(peak, 2), "matmul_peak_2proc_gflops": round(peak2, 2),
