@@ -41,9 +41,10 @@ class _TTTFlash(torch.autograd.Function):
         if s:
             wide = torch.promote_types(q.dtype, torch.float32)  # merge in >= fp32 (lse is fp32 for bf16)
             d = torch.stack([(q * k).sum(-1, dtype=wide) for k in diag[:s]], dim=-1) * scale  # [B, h, T, s]
-            total = torch.logaddexp(lse.to(wide), torch.logsumexp(d, dim=-1))
+            lse_causal = lse.to(wide)
+            total = torch.logaddexp(lse_causal, torch.logsumexp(d, dim=-1))
             p = torch.exp(d - total.unsqueeze(-1))
-            merged = torch.exp(lse.to(wide) - total).unsqueeze(-1) * out
+            merged = torch.exp(lse_causal - total).unsqueeze(-1) * out
             for j, v in enumerate(diag[s:]):
                 merged = merged + p[..., j:j + 1] * v
             out, lse = merged.to(q.dtype), total.to(lse.dtype)
