@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from infer.packed_linear import with_packed_linears
 from infer.tree import Tree
 from infer.tree_tensor import CandidateTable, finalize_tensor, rerank_tensor
 from trainer.head import Eagle3Head
@@ -39,7 +40,7 @@ class DraftCache:
 
 class DraftRunner:
     def __init__(self, head: Eagle3Head, embed: torch.Tensor):
-        self.head = head.eval()
+        self.head = with_packed_linears(head.eval())  # bf16 on oneDNN: weights packed once
         self.embed = embed
         attn = head.midlayer.self_attn
         self.cache = DraftCache(attn.kv_heads, attn.head_dim, embed)

@@ -114,8 +114,9 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
 
 
 class EagleGenerator:
-    def __init__(self, target, tokenizer, head, aux_layer_ids: list[int], lean: bool = True):
-        self.target = TargetRunner(target, aux_layer_ids, lean)
+    def __init__(self, target, tokenizer, head, aux_layer_ids: list[int], lean: bool = True,
+                 exact_verify: bool = True):
+        self.target = TargetRunner(target, aux_layer_ids, lean, exact_verify)
         self.tokenizer = tokenizer
         embed = target.get_input_embeddings().weight.detach()
         self.draft = DraftRunner(head.to(embed.device, embed.dtype), embed) if head is not None else None
@@ -125,7 +126,7 @@ class EagleGenerator:
 
     @classmethod
     def from_folders(cls, target_dir: str | Path, head_dir: str | Path | None, dtype=torch.float32, device="cpu",
-                     lean: bool = True):
+                     lean: bool = True, exact_verify: bool = True):
         from transformers import AutoTokenizer
 
         from pipeline.target import load_model
@@ -141,7 +142,7 @@ class EagleGenerator:
             head = Eagle3Head(hcfg)
             head.load_state_dict(state, strict=False)
             head.set_vocab(state["d2t"], state["t2d"])
-        return cls(target, tok, head, aux or default_aux_layers(n_layers), lean)
+        return cls(target, tok, head, aux or default_aux_layers(n_layers), lean, exact_verify)
 
     def _pick(self, logits: torch.Tensor, s: SpecSettings, gen: torch.Generator | None) -> int:
         if s.temperature <= 0:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from infer.packed_linear import PackedLinear, fused, packing_unsupported
 from pipeline.target import FULL, attention_layout, text_config
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def lean_unsupported(model) -> str | None:
 
 
 class LeanTarget:
-    def __init__(self, model, aux_layer_ids: list[int]):
+    def __init__(self, model, aux_layer_ids: list[int], exact_verify: bool = True):
         cfg = text_config(model.config)
         self.model = model
         self.inner = model.model
@@ -75,13 +76,18 @@ class LeanTarget:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.weight = next(model.parameters())
+        self.packed = pack_layers(model)
+        # Below fp32, a masked verify row does not round like the 1-token step that HF generate takes
+        # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits.
+        self.exact_attention = exact_verify and self.weight.dtype != torch.float32
 
     @classmethod
-    def build(cls, model, aux_layer_ids: list[int]) -> "LeanTarget | None":
-        """A LeanTarget when the family is supported and its logits equal the HF forward's on a probe."""
+    def build(cls, model, aux_layer_ids: list[int], exact_verify: bool = True) -> "LeanTarget | None":
+        """A LeanTarget when the family is supported and its logits equal the HF forward's on a probe.
+        exact_verify: below fp32, verify rows as their 1-token steps round (`path_attention`)."""
         why = lean_unsupported(model)
         if why is None:
-            lean = cls(model, aux_layer_ids)
+            lean = cls(model, aux_layer_ids, exact_verify)
             why = lean.probe()
             if why is None:
                 return lean
@@ -110,6 +116,8 @@ class LeanTarget:
         if isinstance(mask, dict):  # models that take {layer type: mask}; lean targets have one type
             mask = mask[FULL]
         cache.reserve(end)
+        if mask is not None and self.exact_attention:  # a verify: rows as their 1-token steps round
+            mask = path_groups(mask)
         causal = mask is None and n > 1
         if causal and start > 0:  # new rows see the whole prefix and each other causally
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
@@ -118,27 +126,103 @@ class LeanTarget:
         cos, sin = self.inner.rotary_emb(x, positions[None])
         aux = []
         for i, layer in enumerate(self.inner.layers):
-            x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal)
+            x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal,
+                            self.packed["layers"][i] if self.packed else None)
             if i in self.aux_layer_ids:
                 aux.append(x[0])
         cache.length = end
         h = self.inner.norm(x[:, -1:] if last_only else x)
-        return self.model.lm_head(h)[0].float(), torch.cat(aux, dim=-1)
+        lm_head = self.packed["lm_head"] if self.packed else self.model.lm_head
+        return lm_head(h)[0].float(), torch.cat(aux, dim=-1)
 
-    def _layer(self, layer, x, cos, sin, kv, start: int, end: int, mask, causal: bool) -> torch.Tensor:
-        """One decoder layer in HF's order; writes this layer's K/V (kv [2, kv_heads, capacity, D])."""
+    def _layer(self, layer, x, cos, sin, kv, start: int, end: int, mask, causal: bool,
+               packed: dict | None) -> torch.Tensor:
+        """One decoder layer in HF's order; writes this layer's K/V (kv [2, kv_heads, capacity, D]).
+        packed: this layer's oneDNN-packed q|k|v, o, gate|up and down (or None: the modules' own)."""
         a, n = layer.self_attn, x.shape[1]
         h = layer.input_layernorm(x)
-        q = a.q_proj(h).view(1, n, self.heads, self.head_dim)
-        k = a.k_proj(h).view(1, n, self.kv_heads, self.head_dim)
+        if packed:
+            q, k, v = packed["qkv"](h).split(packed["qkv_sizes"], dim=-1)
+        else:
+            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+        q = q.view(1, n, self.heads, self.head_dim)
+        k = k.view(1, n, self.kv_heads, self.head_dim)
         if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = a.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         kv[0, :, start:end] = k[0]
         kv[1, :, start:end] = v[0]
-        o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
-                                           is_causal=causal, scale=a.scaling, enable_gqa=True)
-        x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        if isinstance(mask, list):  # path_groups of the verify mask: exact attention
+            o = path_attention(q, kv[0, :, :end], kv[1, :, :end], mask, a.scaling)
+        else:
+            o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
+                                               is_causal=causal, scale=a.scaling, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(1, n, self.heads * self.head_dim)
+        x = x + (packed["o"] if packed else a.o_proj)(o)
+        h = layer.post_attention_layernorm(x)
+        if not packed:
+            return x + layer.mlp(h)
+        gate, up = packed["gate_up"](h).chunk(2, dim=-1)
+        return x + packed["down"](layer.mlp.act_fn(gate) * up)
+
+
+def path_groups(mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Rows of a verify mask [1, 1, n, N] (bool keep, or additive 0 / -inf) grouped by how many keys they
+    see: [(rows [g], keys [g * c] in slot order row after row or None for slots [0, c), c)]. Computed
+    once per forward."""
+    keep = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+    counts = keep.sum(-1)
+    groups = []
+    for c in counts.unique().tolist():
+        rows = (counts == c).nonzero().flatten()
+        keys = keep[rows].nonzero()[:, 1]  # row-major: each row's keys in slot order
+        contiguous = len(rows) == 1 and int(keys[-1]) == c - 1  # keys are slots [0, c): no gather
+        groups.append((rows, None if contiguous else keys, c))
+    return groups
+
+
+def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups, scale: float) -> torch.Tensor:
+    """Masked attention computed the way a 1-token decode step computes it, bit for bit.
+
+    q [1, heads, n, D]; k, v [kv_heads, N, D]; groups from `path_groups`. Row i attends to exactly its
+    visible keys, in slot order, with no mask: what the target computes when it decodes that row's path one
+    token at a time. SDPA's CPU kernel rounds a row differently when the key length or the mask differs,
+    so each group of rows with c keys is one unmasked SDPA call over its gathered keys (batch = rows).
+    Returns [1, heads, n, D]."""
+    out = q.new_empty(q.shape)
+    kvh, D = k.shape[0], k.shape[2]
+    for rows, keys, c in groups:
+        if keys is None:
+            kg, vg = k[None, :, :c], v[None, :, :c]
+        else:
+            kg = k.index_select(1, keys).view(kvh, -1, c, D).transpose(0, 1)  # [rows, kv_heads, c, D]
+            vg = v.index_select(1, keys).view(kvh, -1, c, D).transpose(0, 1)
+        qg = q[0].index_select(1, rows).transpose(0, 1)[:, :, None]  # [rows, heads, 1, D]
+        og = F.scaled_dot_product_attention(qg, kg, vg, scale=scale, enable_gqa=True)
+        out[0].index_copy_(1, rows, og[:, :, 0].transpose(0, 1))
+    return out
+
+
+def pack_layers(model) -> dict | None:
+    """Every linear of a bf16 Llama-shaped model packed for oneDNN (infer/packed_linear.py), q|k|v and
+    gate|up fused; None when packing is unsupported here or the MLP is not gate/up/down."""
+    layers = model.model.layers
+    if packing_unsupported(model.lm_head.weight) is not None:
+        return None
+    if not all(all(hasattr(l.mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")) for l in layers):
+        return None
+    head = model.lm_head
+    out = {"lm_head": PackedLinear.pack(head.weight, head.bias), "layers": []}
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = [a.q_proj, a.k_proj, a.v_proj]
+        entry = {"qkv": PackedLinear.pack(*fused(qkv)), "qkv_sizes": [m.out_features for m in qkv],
+                 "o": PackedLinear.pack(a.o_proj.weight, a.o_proj.bias),
+                 "gate_up": PackedLinear.pack(*fused([mlp.gate_proj, mlp.up_proj])),
+                 "down": PackedLinear.pack(mlp.down_proj.weight, mlp.down_proj.bias)}
+        if out["lm_head"] is None or any(v is None for v in entry.values()):
+            return None
+        out["layers"].append(entry)
+    return out

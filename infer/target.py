@@ -23,13 +23,13 @@ class TargetRunner:
     lean forward (infer/lean_target.py) unless `lean=False`; every other family runs the HF forward on a
     `DynamicCache` with hooks for the aux states."""
 
-    def __init__(self, model, aux_layer_ids: list[int], lean: bool = True):
+    def __init__(self, model, aux_layer_ids: list[int], lean: bool = True, exact_verify: bool = True):
         self.model = model.eval()
         self.aux_layer_ids = list(aux_layer_ids)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.layout = attention_layout(model)  # refuses recurrent / unmaskable layouts up front
-        self.lean = LeanTarget.build(model, self.aux_layer_ids) if lean else None
+        self.lean = LeanTarget.build(model, self.aux_layer_ids, exact_verify) if lean else None
         self.tap = AuxTap(model, self.aux_layer_ids) if self.lean is None else None
         # Prefill needs the last position's logits only; a full-vocab lm_head over a long prompt is a
         # large share of the prefill (SmolLM2: 49k x 576 per token). HF generate skips it the same way.

@@ -48,6 +48,16 @@ def ensure_assistant(path: Path, target: Path) -> Path:
     return path
 
 
+def fused_verify(gen: EagleGenerator, ids: list[int], s: SpecSettings):
+    """The tree with one masked SDPA call per layer in the verify (below fp32 it is not bit-exact)."""
+    gen.target.lean.exact_attention = False
+    try:
+        g = gen.generate(ids, s)
+    finally:
+        gen.target.lean.exact_attention = True
+    return g.tokens, g.stats
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
@@ -62,11 +72,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--total-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip", nargs="*", default=[], help="methods to leave out")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="target and head dtype (HF generate runs the same model object)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    gen = EagleGenerator.from_folders(args.target, args.head)
+    gen = EagleGenerator.from_folders(args.target, args.head, dtype=getattr(torch, args.dtype))
     model, tok = gen.target.model, gen.tokenizer
     counter = ForwardCounter(model)
     gen_hf = None
@@ -93,9 +105,12 @@ def main(argv=None) -> dict:
         "eagle_tree": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, tree)),
         "eagle_chain": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, chain)),
         "eagle_tree_hf_forward": lambda ids: (lambda g: (g.tokens, g.stats))(gen_hf.generate(ids, tree)),
+        "eagle_tree_fused_verify": lambda ids: fused_verify(gen, ids, tree),
         "prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
         "assisted": lambda ids: hf(ids, assistant_model=assistant),
     }
+    if not (gen.target.lean and gen.target.lean.exact_attention):
+        args.skip.append("eagle_tree_fused_verify")  # the same as eagle_tree
     methods = {k: v for k, v in methods.items() if k not in args.skip}
     agg = {k: {"tokens": 0, "seconds": 0.0, "forwards": 0, "accepted": [], "match": 0,
                "split": {"draft": 0.0, "verify": 0.0, "accept": 0.0, "other": 0.0}} for k in methods}
@@ -122,7 +137,8 @@ def main(argv=None) -> dict:
                 ref = tokens if ref is None else ref
                 a["match"] += tokens == ref
     base = agg["hf_generate"]["tokens"] / agg["hf_generate"]["seconds"] if "hf_generate" in agg else None
-    result = {"lean_target": gen.target.lean is not None, "depth": args.depth, "prompts": len(texts),
+    result = {"lean_target": gen.target.lean is not None, "dtype": args.dtype,
+              "packed_linears": bool(gen.target.lean and gen.target.lean.packed), "depth": args.depth, "prompts": len(texts),
               "max_new_tokens": n_new, "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}}
     for name, a in agg.items():
         tps = a["tokens"] / a["seconds"]

@@ -1,0 +1,124 @@
+"""bf16 decoding on oneDNN (infer/packed_linear.py, infer/lean_target.py `path_attention`): packed linears
+give F.linear's rows bit for bit at any row count, a verified tree's rows are bit for bit what HF's own
+1-token steps give for each node's path, and greedy tree decoding in bf16 is token-identical to HF generate
+in bf16. Skipped where this CPU has no oneDNN bf16 (the CI box has AMX)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+
+from infer.generate import EagleGenerator, SpecSettings
+from infer.lean_target import LeanTarget, path_groups
+from infer.packed_linear import PackedLinear, packing_unsupported, with_packed_linears
+from infer.tree import Candidates, finalize
+from pipeline.target import default_aux_layers
+from trainer.head import Eagle3Head, head_config_from_target
+
+pytestmark = pytest.mark.skipif(packing_unsupported(torch.zeros(1, dtype=torch.bfloat16)) is not None,
+                                reason="no oneDNN bf16 on this CPU")
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+FAMILIES = {
+    "llama": lambda: T.LlamaConfig(**COMMON, head_dim=32),
+    "qwen2": lambda: T.Qwen2Config(**COMMON),  # q/k/v biases: the fused q|k|v bias
+    "qwen3": lambda: T.Qwen3Config(**COMMON, head_dim=32),
+}
+
+
+def bf16_model(config) -> T.PreTrainedModel:
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() == 2 else None
+    return model.to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request):
+    return request.param, bf16_model(FAMILIES[request.param]())
+
+
+def ids_of(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_f_linear_bit_for_bit_at_any_row_count(bias):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 160, generator=gen).bfloat16()
+    b = torch.randn(384, generator=gen).bfloat16() if bias else None
+    lin = PackedLinear.pack(w, b)
+    assert lin is not None
+    x = torch.randn(1, 33, 160, generator=gen).bfloat16()
+    want = F.linear(x, w, b)
+    assert torch.equal(lin(x), want)
+    for rows in (1, 2, 7, 16):  # a row does not change with how many rows share the call
+        assert torch.equal(lin(x[:, 5:5 + rows]), want[:, 5:5 + rows])
+
+
+def test_only_bf16_is_packed():
+    assert "bf16" in packing_unsupported(torch.zeros(2, 2))
+    head = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert with_packed_linears(head) is head  # fp32: unchanged
+    packed = with_packed_linears(head.bfloat16())
+    assert packed is not head and isinstance(packed[0], PackedLinear)
+    assert isinstance(head[0], torch.nn.Linear)  # the caller's module is not modified
+
+
+def test_bf16_lean_target_packs_and_its_prefill_equals_hf(model):
+    name, m = model
+    lean = LeanTarget.build(m, default_aux_layers(6))
+    assert lean is not None and lean.packed is not None and lean.exact_attention, name
+    ids = ids_of(1, 40)
+    logits, _ = lean.forward(ids, torch.arange(40), lean.new_cache())
+    with torch.no_grad():
+        want = m(input_ids=ids[None]).logits[0].float()
+    assert torch.equal(logits, want), (name, (logits - want).abs().max())
+
+
+def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model):
+    """Every node's logits from one verify forward equal HF decoding that node's path one token at a time
+    after the same prefix: the verify rounds like the steps it replaces."""
+    name, m = model
+    lean = LeanTarget.build(m, default_aux_layers(6))
+    prefix = ids_of(2, 60)
+    tree = finalize(7, Candidates([11, 12, 13, 14, 15, 16], [-1, -1, 0, 0, 2, 4], [-.1, -.2, -.3, -.4, -.5, -.6],
+                                  [1, 1, 2, 2, 3, 4]), [0, 1, 2, 3, 4, 5])
+    cache = lean.new_cache()
+    lean.forward(prefix, torch.arange(60), cache, last_only=True)
+    mask = (~torch.cat([torch.ones(tree.size, 60, dtype=torch.bool), tree.mask], 1))[None, None]
+    additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(mask, float("-inf"))
+    assert len(path_groups(additive)) == 5  # depths 0..4
+    got, _ = lean.forward(tree.tokens, tree.positions(60), cache, additive)
+    parents = tree.parents.tolist()
+    for j in range(tree.size):
+        path = [j]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        with torch.no_grad():
+            out = m(input_ids=prefix[None], use_cache=True)
+            for node in path:
+                out = m(input_ids=tree.tokens[node].view(1, 1), past_key_values=out.past_key_values, use_cache=True)
+        assert torch.equal(got[j], out.logits[0, -1].float()), (name, j)
+
+
+def test_bf16_greedy_tree_identical_to_hf_generate(model):
+    name, m = model
+    torch.manual_seed(1)
+    head = Eagle3Head(head_config_from_target(m.config, VOCAB))
+    gen = EagleGenerator(m, None, head, default_aux_layers(6))
+    gen.eos = set()
+    assert gen.target.lean is not None and gen.target.lean.packed is not None
+    for seed in range(2):
+        ids = ids_of(10 + seed, 40).tolist()
+        with torch.no_grad():
+            want = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, 40, dtype=torch.long),
+                              max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        for shape in (dict(mode="tree", top_k=3, depth=4, total_tokens=10), dict(mode="chain", depth=4)):
+            got = gen.generate(ids, SpecSettings(**shape, max_new_tokens=24))
+            assert got.tokens == want[0, 40:].tolist(), (name, seed, shape["mode"])
