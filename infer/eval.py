@@ -40,6 +40,7 @@ class EvalConfig(StrictModel):
     out_dir: Path = Path("runs/eval")
     benchmarks: list[Bench]
     decode: SpecSettings = SpecSettings()  # mode tree (or chain); vanilla runs beside it with the same limits
+    dtype: Literal["float32", "bfloat16"] = "float32"  # target + head; bf16 on CPU: packed oneDNN linears
     sweep: Sweep = Sweep()
     num_actors: int = Field(1, gt=0)
     cpus_per_actor: float = Field(1, gt=0)
@@ -51,14 +52,15 @@ class EvalConfig(StrictModel):
 class EvalWorker:
     """Ray actor: one target + head; runs vanilla and speculative decoding on whole items."""
 
-    def __init__(self, target: str, head: str, threads: int | None, use_gpu: bool):
+    def __init__(self, target: str, head: str, threads: int | None, use_gpu: bool, dtype: str = "float32"):
         import torch
 
         from infer.generate import EagleGenerator
 
         if threads:
             torch.set_num_threads(threads)
-        self.gen = EagleGenerator.from_folders(target, head, device="cuda" if use_gpu else "cpu")
+        self.gen = EagleGenerator.from_folders(target, head, dtype=getattr(torch, dtype),
+                                               device="cuda" if use_gpu else "cpu")
 
     def run(self, bench: str, item: dict, settings: dict) -> list[dict]:
         tok, recs, history = self.gen.tokenizer, [], []
@@ -110,7 +112,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     items = load_items(cfg)
     worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor)(EvalWorker)
     actors = [worker.remote(str(cfg.target.resolve()), str(cfg.head.resolve()), cfg.threads_per_actor,
-                            cfg.gpus_per_actor > 0) for _ in range(cfg.num_actors)]
+                            cfg.gpus_per_actor > 0, cfg.dtype) for _ in range(cfg.num_actors)]
     pool = ActorPool(actors)
     settings = cfg.decode.model_dump()
     jobs = [(name, it) for name, its in items.items() for it in its]

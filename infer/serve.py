@@ -48,6 +48,7 @@ class ServeConfig(StrictModel):
     num_cpus_per_replica: float = Field(1, ge=0)
     num_gpus_per_replica: float = Field(0, ge=0)
     threads_per_replica: int | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"  # eagleray backend: target + head dtype
     max_tokens_limit: int = Field(512, gt=0)
     default_max_tokens: int = Field(128, gt=0)
     request_timeout_s: float = Field(120, gt=0)
@@ -64,7 +65,7 @@ def _load_generator(cfg: ServeConfig):
     if cfg.threads_per_replica:
         torch.set_num_threads(cfg.threads_per_replica)
     device = "cuda" if cfg.num_gpus_per_replica > 0 else "cpu"
-    return EagleGenerator.from_folders(cfg.target, cfg.head, device=device)
+    return EagleGenerator.from_folders(cfg.target, cfg.head, dtype=getattr(torch, cfg.dtype), device=device)
 
 
 api = make_api()
