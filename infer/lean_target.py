@@ -117,7 +117,7 @@ class LeanTarget:
             mask = mask[FULL]
         cache.reserve(end)
         if mask is not None and self.exact_attention:  # a verify: rows as their 1-token steps round
-            mask = path_groups(mask)
+            mask = PathGroups(mask, torch.cat([torch.arange(start, device=positions.device), positions]))
         causal = mask is None and n > 1
         if causal and start > 0:  # new rows see the whole prefix and each other causally
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
@@ -154,12 +154,12 @@ class LeanTarget:
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         kv[0, :, start:end] = k[0]
         kv[1, :, start:end] = v[0]
-        if isinstance(mask, list):  # path_groups of the verify mask: exact attention
-            o = path_attention(q, kv[0, :, :end], kv[1, :, :end], mask, a.scaling)
+        if isinstance(mask, PathGroups):  # exact attention: [n, heads, 1, D]
+            o = path_attention(q, kv[:, :, :end], mask, a.scaling).reshape(1, n, self.heads * self.head_dim)
         else:
             o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
                                                is_causal=causal, scale=a.scaling, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(1, n, self.heads * self.head_dim)
+            o = o.transpose(1, 2).reshape(1, n, self.heads * self.head_dim)
         x = x + (packed["o"] if packed else a.o_proj)(o)
         h = layer.post_attention_layernorm(x)
         if not packed:
@@ -168,40 +168,58 @@ class LeanTarget:
         return x + packed["down"](layer.mlp.act_fn(gate) * up)
 
 
-def path_groups(mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """Rows of a verify mask [1, 1, n, N] (bool keep, or additive 0 / -inf) grouped by how many keys they
-    see: [(rows [g], keys [g * c] in slot order row after row or None for slots [0, c), c)]. Computed
-    once per forward."""
-    keep = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
-    counts = keep.sum(-1)
-    groups = []
-    for c in counts.unique().tolist():
-        rows = (counts == c).nonzero().flatten()
-        keys = keep[rows].nonzero()[:, 1]  # row-major: each row's keys in slot order
-        contiguous = len(rows) == 1 and int(keys[-1]) == c - 1  # keys are slots [0, c): no gather
-        groups.append((rows, None if contiguous else keys, c))
-    return groups
+class PathGroups:
+    """The rows of a verify mask [1, 1, n, N] (bool keep, or additive 0 / -inf) grouped by how many keys
+    they see, computed once per forward. Each group is (rows, keys, c): rows a slice when they are
+    consecutive (a tree in creation order: one depth after another) else an index tensor; keys [g * c] the
+    slots each row sees, row after row in position order, or None when a single row sees slots [0, c) (the
+    root, every chain row: a view, no gather). `in_order`: the groups' rows are consecutive slices that
+    tile 0..n in order, so the outputs can be concatenated."""
+
+    def __init__(self, mask: torch.Tensor, key_positions: torch.Tensor):
+        keep = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+        counts = keep.sum(-1)
+        self.groups, end, self.in_order = [], 0, True
+        for c in counts.unique().tolist():
+            rows = (counts == c).nonzero().flatten()
+            keys = keep[rows].nonzero()[:, 1].view(-1, c)  # row-major: each row's keys in slot order
+            # the 1-token steps saw the path in position order; slots are in that order unless a caller
+            # laid the tree out otherwise
+            keys = keys.gather(1, key_positions[keys].argsort(dim=1, stable=True)).flatten()
+            first, g = int(rows[0]), len(rows)
+            if int(rows[-1]) - first == g - 1:
+                self.in_order &= first == end
+                end, rows = first + g, slice(first, first + g)
+            else:
+                self.in_order = False
+            contiguous = g == 1 and torch.equal(keys, torch.arange(c, device=keys.device))
+            self.groups.append((rows, None if contiguous else keys, c))
 
 
-def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups, scale: float) -> torch.Tensor:
+def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: float) -> torch.Tensor:
     """Masked attention computed the way a 1-token decode step computes it, bit for bit.
 
-    q [1, heads, n, D]; k, v [kv_heads, N, D]; groups from `path_groups`. Row i attends to exactly its
-    visible keys, in slot order, with no mask: what the target computes when it decodes that row's path one
-    token at a time. SDPA's CPU kernel rounds a row differently when the key length or the mask differs,
-    so each group of rows with c keys is one unmasked SDPA call over its gathered keys (batch = rows).
-    Returns [1, heads, n, D]."""
-    out = q.new_empty(q.shape)
-    kvh, D = k.shape[0], k.shape[2]
-    for rows, keys, c in groups:
+    q [1, heads, n, D]; kv [2, kv_heads, N, D] (this layer's K and V). Row i attends to exactly its visible
+    keys, in slot order, with no mask: what the target computes when it decodes that row's path one token
+    at a time. SDPA's CPU kernel rounds a row differently when the key length or the mask differs, so each
+    group of rows with c keys is one unmasked SDPA call over its gathered keys (batch = rows).
+    Returns [n, heads, 1, D]."""
+    kvh, D = kv.shape[1], kv.shape[3]
+    rows_first = q[0].transpose(0, 1)[:, :, None]  # [n, heads, 1, D], a view
+    outs = []
+    for rows, keys, c in paths.groups:
         if keys is None:
-            kg, vg = k[None, :, :c], v[None, :, :c]
-        else:
-            kg = k.index_select(1, keys).view(kvh, -1, c, D).transpose(0, 1)  # [rows, kv_heads, c, D]
-            vg = v.index_select(1, keys).view(kvh, -1, c, D).transpose(0, 1)
-        qg = q[0].index_select(1, rows).transpose(0, 1)[:, :, None]  # [rows, heads, 1, D]
-        og = F.scaled_dot_product_attention(qg, kg, vg, scale=scale, enable_gqa=True)
-        out[0].index_copy_(1, rows, og[:, :, 0].transpose(0, 1))
+            kg, vg = kv[0, None, :, :c], kv[1, None, :, :c]
+        else:  # K and V of the group's rows in one gather: [2, rows, kv_heads, c, D]
+            both = kv.index_select(2, keys).view(2, kvh, -1, c, D).transpose(1, 2)
+            kg, vg = both[0], both[1]
+        qg = rows_first[rows] if isinstance(rows, slice) else rows_first.index_select(0, rows)
+        outs.append(F.scaled_dot_product_attention(qg, kg, vg, scale=scale, enable_gqa=True))
+    if paths.in_order:
+        return torch.cat(outs)
+    out = rows_first.new_empty(rows_first.shape)
+    for (rows, _, _), og in zip(paths.groups, outs):
+        out[rows] = og
     return out
 
 
@@ -211,7 +229,8 @@ def pack_layers(model) -> dict | None:
     layers = model.model.layers
     if packing_unsupported(model.lm_head.weight) is not None:
         return None
-    if not all(all(hasattr(l.mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")) for l in layers):
+    mlp_parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
+    if not all(all(hasattr(layer.mlp, p) for p in mlp_parts) for layer in layers):
         return None
     head = model.lm_head
     out = {"lm_head": PackedLinear.pack(head.weight, head.bias), "layers": []}

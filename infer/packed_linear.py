@@ -77,7 +77,8 @@ def fused(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     biases = [m.bias for m in linears]
     if all(b is None for b in biases):
         return weight, None
-    bias = torch.cat([b if b is not None else weight.new_zeros(m.out_features) for m, b in zip(linears, biases)])
+    bias = torch.cat([b if b is not None else weight.new_zeros(m.out_features)
+                      for m, b in zip(linears, biases)])
     return weight, bias
 
 

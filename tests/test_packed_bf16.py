@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers as T
 
 from infer.generate import EagleGenerator, SpecSettings
-from infer.lean_target import LeanTarget, path_groups
+from infer.lean_target import LeanTarget, PathGroups
 from infer.packed_linear import PackedLinear, packing_unsupported, with_packed_linears
 from infer.tree import Candidates, finalize
 from pipeline.target import default_aux_layers
@@ -81,30 +81,38 @@ def test_bf16_lean_target_packs_and_its_prefill_equals_hf(model):
     assert torch.equal(logits, want), (name, (logits - want).abs().max())
 
 
-def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model):
+@pytest.mark.parametrize("order", ["creation", "shuffled"])
+def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order):
     """Every node's logits from one verify forward equal HF decoding that node's path one token at a time
-    after the same prefix: the verify rounds like the steps it replaces."""
+    after the same prefix: the verify rounds like the steps it replaces. "shuffled" lays the nodes out in
+    an order that is not depth by depth (the gathered-rows path)."""
     name, m = model
     lean = LeanTarget.build(m, default_aux_layers(6))
     prefix = ids_of(2, 60)
-    tree = finalize(7, Candidates([11, 12, 13, 14, 15, 16], [-1, -1, 0, 0, 2, 4], [-.1, -.2, -.3, -.4, -.5, -.6],
-                                  [1, 1, 2, 2, 3, 4]), [0, 1, 2, 3, 4, 5])
+    cands = Candidates([11, 12, 13, 14, 15, 16], [-1, -1, 0, 0, 2, 4], [-.1, -.2, -.3, -.4, -.5, -.6],
+                       [1, 1, 2, 2, 3, 4])
+    tree = finalize(7, cands, [0, 1, 2, 3, 4, 5])
+    perm = torch.arange(tree.size) if order == "creation" else torch.tensor([3, 0, 5, 1, 6, 2, 4])
+    visible = tree.mask[perm][:, perm]
+    hidden = (~torch.cat([torch.ones(tree.size, 60, dtype=torch.bool), visible], 1))[None, None]
+    additive = torch.zeros(hidden.shape, dtype=torch.bfloat16).masked_fill(hidden, float("-inf"))
+    positions = tree.positions(60)[perm]
+    paths = PathGroups(additive, torch.cat([torch.arange(60), positions]))
+    assert len(paths.groups) == 5 and paths.in_order == (order == "creation")  # depths 0..4
     cache = lean.new_cache()
     lean.forward(prefix, torch.arange(60), cache, last_only=True)
-    mask = (~torch.cat([torch.ones(tree.size, 60, dtype=torch.bool), tree.mask], 1))[None, None]
-    additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(mask, float("-inf"))
-    assert len(path_groups(additive)) == 5  # depths 0..4
-    got, _ = lean.forward(tree.tokens, tree.positions(60), cache, additive)
+    got, _ = lean.forward(tree.tokens[perm], positions, cache, additive)
     parents = tree.parents.tolist()
-    for j in range(tree.size):
+    for row, j in enumerate(perm.tolist()):
         path = [j]
         while parents[path[0]] >= 0:
             path.insert(0, parents[path[0]])
         with torch.no_grad():
             out = m(input_ids=prefix[None], use_cache=True)
             for node in path:
-                out = m(input_ids=tree.tokens[node].view(1, 1), past_key_values=out.past_key_values, use_cache=True)
-        assert torch.equal(got[j], out.logits[0, -1].float()), (name, j)
+                out = m(input_ids=tree.tokens[node].view(1, 1), past_key_values=out.past_key_values,
+                        use_cache=True)
+        assert torch.equal(got[row], out.logits[0, -1].float()), (name, order, j)
 
 
 def test_bf16_greedy_tree_identical_to_hf_generate(model):

@@ -2,6 +2,7 @@
 
     python tools/check_lossless.py [--target runs/demo/target] [--head runs/demo/head/head_sglang]
                                    [--prompts FILE.jsonl] [--n 200] [--max-new-tokens 64]
+                                   [--dtype bfloat16 [--fused-verify]]
 
 Default prompts: MT-Bench first turns and GSM8K test questions from ../shared/data (n/2 each).
 The last line printed is one JSON object with `prompts` and `matched`.
@@ -29,9 +30,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--total-tokens", type=int, default=16)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--fused-verify", action="store_true",
+                    help="below fp32: one masked SDPA call per layer instead of the exact verify attention")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
-    gen = EagleGenerator.from_folders(args.target, args.head)
+    gen = EagleGenerator.from_folders(args.target, args.head, dtype=getattr(torch, args.dtype),
+                                      exact_verify=not args.fused_verify)
     texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n)
     texts = texts[: args.n]
     s = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens,
@@ -49,7 +54,8 @@ def main(argv=None) -> dict:
             first = next((j for j, (a, b) in enumerate(zip(got.tokens, want)) if a != b), min(len(got.tokens), len(want)))
             mismatches.append({"index": i, "first_diff": first})
     result = {"prompts": len(texts), "matched": matched, "tau": round(SpecStats.pooled_tau(stats), 3),
-              "mismatches": mismatches[:10], "settings": s.__dict__}
+              "mismatches": mismatches[:10], "settings": s.__dict__, "dtype": args.dtype,
+              "exact_verify": bool(gen.target.lean and gen.target.lean.exact_attention)}
     print(json.dumps(result))
     return result
 
