@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from infer.exact_attention import PathGroups, path_attention, rounding_block
 from infer.packed_linear import PackedLinear, fused, packing_unsupported
 from pipeline.target import FULL, attention_layout, text_config
 
@@ -80,6 +81,9 @@ class LeanTarget:
         # Below fp32, a masked verify row does not round like the 1-token step that HF generate takes
         # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits.
         self.exact_attention = exact_verify and self.weight.dtype != torch.float32
+        self.block = 1  # exact verify: rows padded within blocks of this many keys (infer/exact_attention.py)
+        if self.exact_attention:
+            self.block = rounding_block(self.heads, self.kv_heads, self.head_dim, self.weight)
 
     @classmethod
     def build(cls, model, aux_layer_ids: list[int], exact_verify: bool = True) -> "LeanTarget | None":
@@ -117,7 +121,8 @@ class LeanTarget:
             mask = mask[FULL]
         cache.reserve(end)
         if mask is not None and self.exact_attention:  # a verify: rows as their 1-token steps round
-            mask = PathGroups(mask, torch.cat([torch.arange(start, device=positions.device), positions]))
+            key_positions = torch.cat([torch.arange(start, device=positions.device), positions])
+            mask = PathGroups(mask, key_positions, self.block)
         causal = mask is None and n > 1
         if causal and start > 0:  # new rows see the whole prefix and each other causally
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
@@ -166,61 +171,6 @@ class LeanTarget:
             return x + layer.mlp(h)
         gate, up = packed["gate_up"](h).chunk(2, dim=-1)
         return x + packed["down"](layer.mlp.act_fn(gate) * up)
-
-
-class PathGroups:
-    """The rows of a verify mask [1, 1, n, N] (bool keep, or additive 0 / -inf) grouped by how many keys
-    they see, computed once per forward. Each group is (rows, keys, c): rows a slice when they are
-    consecutive (a tree in creation order: one depth after another) else an index tensor; keys [g * c] the
-    slots each row sees, row after row in position order, or None when a single row sees slots [0, c) (the
-    root, every chain row: a view, no gather). `in_order`: the groups' rows are consecutive slices that
-    tile 0..n in order, so the outputs can be concatenated."""
-
-    def __init__(self, mask: torch.Tensor, key_positions: torch.Tensor):
-        keep = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
-        counts = keep.sum(-1)
-        self.groups, end, self.in_order = [], 0, True
-        for c in counts.unique().tolist():
-            rows = (counts == c).nonzero().flatten()
-            keys = keep[rows].nonzero()[:, 1].view(-1, c)  # row-major: each row's keys in slot order
-            # the 1-token steps saw the path in position order; slots are in that order unless a caller
-            # laid the tree out otherwise
-            keys = keys.gather(1, key_positions[keys].argsort(dim=1, stable=True)).flatten()
-            first, g = int(rows[0]), len(rows)
-            if int(rows[-1]) - first == g - 1:
-                self.in_order &= first == end
-                end, rows = first + g, slice(first, first + g)
-            else:
-                self.in_order = False
-            contiguous = g == 1 and torch.equal(keys, torch.arange(c, device=keys.device))
-            self.groups.append((rows, None if contiguous else keys, c))
-
-
-def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: float) -> torch.Tensor:
-    """Masked attention computed the way a 1-token decode step computes it, bit for bit.
-
-    q [1, heads, n, D]; kv [2, kv_heads, N, D] (this layer's K and V). Row i attends to exactly its visible
-    keys, in slot order, with no mask: what the target computes when it decodes that row's path one token
-    at a time. SDPA's CPU kernel rounds a row differently when the key length or the mask differs, so each
-    group of rows with c keys is one unmasked SDPA call over its gathered keys (batch = rows).
-    Returns [n, heads, 1, D]."""
-    kvh, D = kv.shape[1], kv.shape[3]
-    rows_first = q[0].transpose(0, 1)[:, :, None]  # [n, heads, 1, D], a view
-    outs = []
-    for rows, keys, c in paths.groups:
-        if keys is None:
-            kg, vg = kv[0, None, :, :c], kv[1, None, :, :c]
-        else:  # K and V of the group's rows in one gather: [2, rows, kv_heads, c, D]
-            both = kv.index_select(2, keys).view(2, kvh, -1, c, D).transpose(1, 2)
-            kg, vg = both[0], both[1]
-        qg = rows_first[rows] if isinstance(rows, slice) else rows_first.index_select(0, rows)
-        outs.append(F.scaled_dot_product_attention(qg, kg, vg, scale=scale, enable_gqa=True))
-    if paths.in_order:
-        return torch.cat(outs)
-    out = rows_first.new_empty(rows_first.shape)
-    for (rows, _, _), og in zip(paths.groups, outs):
-        out[rows] = og
-    return out
 
 
 def pack_layers(model) -> dict | None:

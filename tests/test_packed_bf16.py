@@ -10,7 +10,8 @@ import torch.nn.functional as F
 import transformers as T
 
 from infer.generate import EagleGenerator, SpecSettings
-from infer.lean_target import LeanTarget, PathGroups
+from infer.exact_attention import PathGroups
+from infer.lean_target import LeanTarget
 from infer.packed_linear import PackedLinear, packing_unsupported, with_packed_linears
 from infer.tree import Candidates, finalize
 from pipeline.target import default_aux_layers
@@ -81,13 +82,16 @@ def test_bf16_lean_target_packs_and_its_prefill_equals_hf(model):
     assert torch.equal(logits, want), (name, (logits - want).abs().max())
 
 
+@pytest.mark.parametrize("block", ["probed", 1])
 @pytest.mark.parametrize("order", ["creation", "shuffled"])
-def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order):
+def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order, block):
     """Every node's logits from one verify forward equal HF decoding that node's path one token at a time
     after the same prefix: the verify rounds like the steps it replaces. "shuffled" lays the nodes out in
-    an order that is not depth by depth (the gathered-rows path)."""
+    an order that is not depth by depth (the gathered-rows path). block 1: one SDPA call per key count;
+    "probed": rows padded within the kernel's rounding block (infer/exact_attention.py)."""
     name, m = model
     lean = LeanTarget.build(m, default_aux_layers(6))
+    lean.block = lean.block if block == "probed" else 1
     prefix = ids_of(2, 60)
     cands = Candidates([11, 12, 13, 14, 15, 16], [-1, -1, 0, 0, 2, 4], [-.1, -.2, -.3, -.4, -.5, -.6],
                        [1, 1, 2, 2, 3, 4])
@@ -97,8 +101,10 @@ def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order):
     hidden = (~torch.cat([torch.ones(tree.size, 60, dtype=torch.bool), visible], 1))[None, None]
     additive = torch.zeros(hidden.shape, dtype=torch.bfloat16).masked_fill(hidden, float("-inf"))
     positions = tree.positions(60)[perm]
-    paths = PathGroups(additive, torch.cat([torch.arange(60), positions]))
-    assert len(paths.groups) == 5 and paths.in_order == (order == "creation")  # depths 0..4
+    paths = PathGroups(additive, torch.cat([torch.arange(60), positions]), lean.block)
+    # keys seen: 61..65 (depths 0..4); 60 // 16 = 3 = 63 // 16, 64 // 16 = 4
+    assert len(paths.groups) == {1: 5, 8: 2, 16: 2}[lean.block]
+    assert paths.in_order == (order == "creation")
     cache = lean.new_cache()
     lean.forward(prefix, torch.arange(60), cache, last_only=True)
     got, _ = lean.forward(tree.tokens[perm], positions, cache, additive)
@@ -130,3 +136,42 @@ def test_bf16_greedy_tree_identical_to_hf_generate(model):
         for shape in (dict(mode="tree", top_k=3, depth=4, total_tokens=10), dict(mode="chain", depth=4)):
             got = gen.generate(ids, SpecSettings(**shape, max_new_tokens=24))
             assert got.tokens == want[0, 40:].tolist(), (name, seed, shape["mode"])
+
+
+def random_tree_mask(n: int, prefix: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random tree of n nodes in creation order after `prefix` committed slots -> (keep [1, 1, n,
+    prefix + n] bool, key positions [prefix + n])."""
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n)]
+    depth, vis = [0] * n, torch.eye(n, dtype=torch.bool)
+    for j in range(1, n):
+        depth[j] = depth[parents[j]] + 1
+        vis[j] |= vis[parents[j]]
+    keep = torch.cat([torch.ones(n, prefix, dtype=torch.bool), vis], 1)[None, None]
+    return keep, torch.cat([torch.arange(prefix), prefix + torch.tensor(depth)])
+
+
+def test_path_attention_rows_equal_their_own_unmasked_calls():
+    """Kernel-level: every row of path_attention (with the probed rounding block) has the bits of an
+    unmasked 1-row SDPA call over exactly its keys, across prefixes that cross 16-key blocks and the
+    kernel's 512-key split; padding across blocks (block 64) does not, so this test can tell."""
+    from infer.exact_attention import path_attention, rounding_block
+    gen = torch.Generator().manual_seed(0)
+    heads, kvh, D = 8, 2, 64
+    block = rounding_block(heads, kvh, D, torch.zeros(1, dtype=torch.bfloat16))
+    assert block in (8, 16)  # oneDNN bf16 CPUs: AVX-512 (16 fp32 lanes) or AVX2 (8)
+    differs_at_64 = 0
+    for prefix in (45, 60, 100, 250, 505):
+        n = 16
+        keep, pos = random_tree_mask(n, prefix, gen)
+        q = torch.randn(1, heads, n, D, generator=gen).bfloat16()
+        kv = torch.randn(2, kvh, prefix + n, D, generator=gen).bfloat16()
+        got = path_attention(q, kv, PathGroups(keep, pos, block), 0.125)
+        coarse = path_attention(q, kv, PathGroups(keep, pos, 64), 0.125)
+        for i in range(n):
+            keys = keep[0, 0, i].nonzero().flatten()
+            keys = keys[pos[keys].argsort()]
+            want = F.scaled_dot_product_attention(q[:, :, i:i + 1], kv[0, None][:, :, keys],
+                                                  kv[1, None][:, :, keys], scale=0.125, enable_gqa=True)
+            assert torch.equal(got[i], want[0, :, 0][:, None]), (prefix, i)
+            differs_at_64 += not torch.equal(coarse[i], want[0, :, 0][:, None])
+    assert differs_at_64 > 0
