@@ -7,7 +7,7 @@ kernel rounds a row of a masked multi-row call differently from that row's own u
 greedy output changes. Measured rule of the kernel (fp32 accumulation in vectors of `block` lanes,
 remainders summed apart): a 1-row call over L keys gives the same bits as one over L' >= L keys with keys
 L.. masked, iff L and L' fall in the same block of `block` keys (L // block == L' // block). Keys masked
-in the middle, or keys in another order, change the bits. So a verify runs one SDPA call per block class
+in the middle, or keys in another order, can change the bits (3 and 17 of 60 prefixes tried). So a verify runs one SDPA call per block class
 of rows: each row's keys gathered in position order (the shared prefix expanded, then its own ancestors),
 padded with masked keys to the class's longest row, the rows as the batch. `rounding_block` checks the
 rule on this CPU and this head shape once, and falls back to block 1 (one call per key length) if it fails.
