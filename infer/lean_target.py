@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from infer.exact_attention import PathGroups, path_attention, rounding_block
-from infer.packed_linear import PackedLinear, fused, packing_unsupported
+from infer.packed_linear import PackedLinear, packing_unsupported
 from pipeline.target import FULL, attention_layout, text_config
 
 log = logging.getLogger(__name__)
@@ -187,9 +187,9 @@ def pack_layers(model) -> dict | None:
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
         qkv = [a.q_proj, a.k_proj, a.v_proj]
-        entry = {"qkv": PackedLinear.pack(*fused(qkv)), "qkv_sizes": [m.out_features for m in qkv],
+        entry = {"qkv": PackedLinear.pack_fused(qkv), "qkv_sizes": [m.out_features for m in qkv],
                  "o": PackedLinear.pack(a.o_proj.weight, a.o_proj.bias),
-                 "gate_up": PackedLinear.pack(*fused([mlp.gate_proj, mlp.up_proj])),
+                 "gate_up": PackedLinear.pack_fused([mlp.gate_proj, mlp.up_proj]),
                  "down": PackedLinear.pack(mlp.down_proj.weight, mlp.down_proj.bias)}
         if out["lm_head"] is None or any(v is None for v in entry.values()):
             return None

@@ -44,14 +44,15 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             rows_hint: int = 16) -> "PackedLinear | None":
-        """A PackedLinear when packing is supported and gives F.linear's rows bitwise at 1 and 16 rows."""
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, rows_hint: int = 16,
+             parts: list[nn.Linear] | None = None) -> "PackedLinear | None":
+        """A PackedLinear when packing is supported and gives F.linear's rows bitwise at 1 and 16 rows
+        (with `parts`: the separate linears' rows side by side, as a model that calls them gets)."""
         why = packing_unsupported(weight)
         if why is None:
             try:
                 lin = cls(weight, bias, rows_hint)
-                why = lin.check(weight, bias)
+                why = lin.check(weight, bias, parts)
             except RuntimeError as e:  # an op missing from this torch build
                 why = f"oneDNN packing failed: {str(e).splitlines()[0]}"
         if why is None:
@@ -59,27 +60,32 @@ class PackedLinear(nn.Module):
         log.info("linear keeps F.linear: %s", why)
         return None
 
+    @classmethod
+    def pack_fused(cls, linears: list[nn.Linear]) -> "PackedLinear | None":
+        """One PackedLinear for linears that read the same input (q|k|v, gate|up): their outputs side by
+        side, checked against each linear's own rows."""
+        weight = torch.cat([m.weight for m in linears], dim=0)
+        biases = [m.bias for m in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else weight.new_zeros(m.out_features)
+                              for m, b in zip(linears, biases)])
+        return cls.pack(weight, bias, parts=linears)
+
     @torch.no_grad()
-    def check(self, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    def check(self, weight: torch.Tensor, bias: torch.Tensor | None,
+              parts: list[nn.Linear] | None = None) -> str | None:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(1, 16, weight.shape[1], generator=gen).to(weight.dtype)
-        want = F.linear(x, weight, bias)
+        if parts is None:
+            want = F.linear(x, weight, bias)
+        else:
+            want = torch.cat([F.linear(x, m.weight, m.bias) for m in parts], dim=-1)
         if not torch.equal(self(x), want):
             return "packed rows differ from F.linear"
         if not torch.equal(self(x[:, :1]), want[:, :1]):
             return "packed rows depend on the row count"
         return None
-
-
-def fused(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for linears that read the same input: their outputs side by side."""
-    weight = torch.cat([m.weight for m in linears], dim=0)
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        return weight, None
-    bias = torch.cat([b if b is not None else weight.new_zeros(m.out_features)
-                      for m, b in zip(linears, biases)])
-    return weight, bias
 
 
 def with_packed_linears(module: nn.Module) -> nn.Module:

@@ -175,3 +175,13 @@ def test_path_attention_rows_equal_their_own_unmasked_calls():
             assert torch.equal(got[i], want[0, :, 0][:, None]), (prefix, i)
             differs_at_64 += not torch.equal(coarse[i], want[0, :, 0][:, None])
     assert differs_at_64 > 0
+
+
+def test_fused_packing_gives_each_linears_own_rows():
+    gen = torch.Generator().manual_seed(1)
+    parts = [torch.nn.Linear(96, n, bias=b).bfloat16() for n, b in ((64, True), (32, False), (32, True))]
+    lin = PackedLinear.pack_fused(parts)
+    assert lin is not None
+    x = torch.randn(1, 9, 96, generator=gen).bfloat16()
+    for got, m in zip(lin(x).split([64, 32, 32], dim=-1), parts):
+        assert torch.equal(got, m(x))
