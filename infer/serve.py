@@ -16,7 +16,7 @@ from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 from ray import serve
 
 from infer.generate import SpecSettings, TreeShape
@@ -55,6 +55,12 @@ class ServeConfig(StrictModel):
     speculative: TreeShape = TreeShape()       # vllm backend: a chain of `depth` draft tokens
     vllm: VllmServe = VllmServe()
     ray_address: str | None = None
+
+    @model_validator(mode="after")
+    def _dtype_of_backend(self):
+        if self.backend == "vllm" and self.dtype != "float32":
+            raise ValueError("dtype applies to the eagleray backend; the vllm backend reads vllm.dtype")
+        return self
 
 
 def _load_generator(cfg: ServeConfig):

@@ -90,3 +90,13 @@ def test_entry_point_prints_one_line_and_exits_2(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: override") and "corpus.0" in err[0]
+
+
+def test_serve_dtype_belongs_to_the_eagleray_backend(tmp_path):
+    from infer.serve import ServeConfig
+
+    (tmp_path / "target").mkdir()
+    yaml = write(tmp_path, f"target: {tmp_path / 'target'}\n")
+    assert load_config(ServeConfig, yaml, ["dtype=bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"dtype applies to the eagleray backend.*vllm\.dtype"):
+        load_config(ServeConfig, yaml, ["backend=vllm", "dtype=bfloat16"])
