@@ -7,9 +7,10 @@ kernel rounds a row of a masked multi-row call differently from that row's own u
 greedy output changes. Measured rule of the kernel (fp32 accumulation in vectors of `block` lanes,
 remainders summed apart): a 1-row call over L keys gives the same bits as one over L' >= L keys with keys
 L.. masked, iff L and L' fall in the same block of `block` keys (L // block == L' // block). Keys masked
-in the middle, or keys in another order, can change the bits (3 and 17 of 60 prefixes tried). So a verify runs one SDPA call per block class
-of rows: each row's keys gathered in position order (the shared prefix expanded, then its own ancestors),
-padded with masked keys to the class's longest row, the rows as the batch. `rounding_block` checks the
+in the middle, or keys in another order, can change the bits (3 and 17 of 60 prefixes tried). So a
+verify runs one SDPA call per block class of rows: each row's keys gathered in position order (the
+shared prefix expanded, then its own ancestors), padded with masked keys to the class's longest row, the
+rows as the batch. `rounding_block` checks the
 rule on this CPU and this head shape once, and falls back to block 1 (one call per key length) if it fails.
 """
 from __future__ import annotations
@@ -56,11 +57,11 @@ def rounding_block(heads: int, kv_heads: int, head_dim: int, like: torch.Tensor)
 class PathGroups:
     """The rows of a verify mask [1, 1, n, N] (bool keep, or additive 0 / -inf) grouped by the block class
     of how many keys they see (`block` 1: by the count itself), computed once per forward. Each group is
-    (rows, lead, tail, keep, c): rows a slice when consecutive (a tree in creation order) else an index
+    (rows, lead, tail, pad, c): rows a slice when consecutive (a tree in creation order) else an index
     tensor; every row sees slots [0, lead) (the committed prefix: expanded, not gathered); tail
-    [g * (c - lead)] the rest of each row's keys in position order, padded with slot 0; keep [g, 1, 1, c]
-    masks the padding (None when no row is padded); c the class's longest row. `in_order`: the groups'
-    rows are consecutive slices tiling 0..n in order, so the outputs can be concatenated."""
+    [g * (c - lead)] the rest of each row's keys in position order, padded with slot 0; pad [g, 1, 1, c]
+    (bool keep) masks the padding (None when no row is padded); c the class's longest row. `in_order`:
+    the groups' rows are consecutive slices tiling 0..n in order, so the outputs can be concatenated."""
 
     def __init__(self, mask: torch.Tensor, key_positions: torch.Tensor, block: int = 1):
         visible = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
@@ -73,8 +74,8 @@ class PathGroups:
             own = counts[rows]
             c = int(own.max())
             # each row's keys by position (the order its 1-token steps saw), then padding slots at the end
-            order = torch.where(visible[rows], key_positions[None], key_positions.max() + 1).argsort(dim=1,
-                                                                                                 stable=True)
+            rank = torch.where(visible[rows], key_positions[None], key_positions.max() + 1)
+            order = rank.argsort(dim=1, stable=True)
             keys = order[:, :c]
             keep = torch.arange(c, device=keys.device)[None] < own[:, None]
             keys = keys.masked_fill(~keep, 0)
