@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from infer.packed_linear import with_packed_linears
+from infer.packed_linear import PackedLinear, with_packed_linears
 from infer.tree import Tree
 from infer.tree_tensor import CandidateTable, finalize_tensor, rerank_tensor
 from trainer.head import Eagle3Head
@@ -41,6 +41,11 @@ class DraftCache:
 class DraftRunner:
     def __init__(self, head: Eagle3Head, embed: torch.Tensor):
         self.head = with_packed_linears(head.eval())  # bf16 on oneDNN: weights packed once
+        if self.head is not head:  # packed: the projections that read one input become one call each
+            attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
+            packed = self.head.midlayer
+            packed.self_attn.fused_qkv = PackedLinear.pack_fused([attn.q_proj, attn.k_proj, attn.v_proj])
+            packed.mlp.fused_gate_up = PackedLinear.pack_fused([mlp.gate_proj, mlp.up_proj])
         self.embed = embed
         attn = head.midlayer.self_attn
         self.cache = DraftCache(attn.kv_heads, attn.head_dim, embed)

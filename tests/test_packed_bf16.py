@@ -185,3 +185,26 @@ def test_fused_packing_gives_each_linears_own_rows():
     x = torch.randn(1, 9, 96, generator=gen).bfloat16()
     for got, m in zip(lin(x).split([64, 32, 32], dim=-1), parts):
         assert torch.equal(got, m(x))
+
+
+def test_bf16_draft_fuses_its_projections_and_steps_like_the_plain_head():
+    from infer.draft import DraftRunner
+
+    cfg = head_config_from_target(T.LlamaConfig(**COMMON, head_dim=32), draft_vocab_size=64)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg).bfloat16().eval()
+    embed = torch.randn(VOCAB, cfg.hidden_size).bfloat16()
+    runner = DraftRunner(head, embed)
+    attn, mlp = runner.head.midlayer.self_attn, runner.head.midlayer.mlp
+    assert isinstance(attn.fused_qkv, PackedLinear) and isinstance(mlp.fused_gate_up, PackedLinear)
+    assert head.midlayer.self_attn.fused_qkv is None  # the caller's head is left as it was
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(1, 5, cfg.hidden_size, generator=gen).bfloat16()
+    tokens, pos = ids_of(3, 5)[None], torch.arange(5)[None]
+    with torch.no_grad():
+        want_q = head.qkv(h, F.embedding(tokens, embed), pos)
+        got_q = runner.head.qkv(h, F.embedding(tokens, embed), pos)
+        for got, want in zip(got_q, want_q):
+            assert torch.equal(got, want)
+        attn_out = torch.randn(1, cfg.num_attention_heads, 5, cfg.head_dim, generator=gen).bfloat16()
+        assert torch.equal(runner.head.finish(h, attn_out), head.finish(h, attn_out))

@@ -115,12 +115,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, self.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.heads * hd, h, bias=False)
+        # Inference may set one module computing q|k|v side by side (infer/draft.py: one packed call
+        # instead of three); training keeps the three linears, whose weights are the checkpoint's.
+        self.fused_qkv: nn.Module | None = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.fused_qkv is not None:
+            kv = self.kv_heads * self.head_dim
+            q, k, v = self.fused_qkv(x).split([self.heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
@@ -135,9 +143,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused_gate_up: nn.Module | None = None  # gate|up in one call (inference; as fused_qkv)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_gate_up is not None:
+            gate, up = self.fused_gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MidLayer(nn.Module):
