@@ -49,8 +49,8 @@ def test_unsupported_targets_are_refused_up_front():
 
 def test_warm_start_remaps_lm_head_rows_by_target_token():
     """Old draft vocab = target tokens {2, 5, 7}; new = {5, 6, 7, 9}: rows for 5 and 7 move to their new
-    draft ids, 6 and 9 start from the target's lm_head rows. Without the remap new id 0 (token 5) would
-    score with the row trained for token 2."""
+    draft ids, 6 and 9 start from the target's lm_head rows (rescaled). Without the remap new id 0 (token 5)
+    would score with the row trained for token 2."""
     h, vocab = 4, 12
     target_lm = torch.arange(vocab * h, dtype=torch.float32).view(vocab, h) * -1.0
     old_tokens, new_tokens = torch.tensor([2, 5, 7]), torch.tensor([5, 6, 7, 9])
@@ -60,8 +60,9 @@ def test_warm_start_remaps_lm_head_rows_by_target_token():
     assert kept == 2
     torch.testing.assert_close(rows[0], torch.full((h,), 5.0))
     torch.testing.assert_close(rows[2], torch.full((h,), 7.0))
-    torch.testing.assert_close(rows[1], target_lm[6])
-    torch.testing.assert_close(rows[3], target_lm[9])
+    norm = old_w.norm(dim=1).mean()  # new rows: the target's direction at the old rows' mean norm
+    torch.testing.assert_close(rows[1], target_lm[6] * norm / target_lm[6].norm())
+    torch.testing.assert_close(rows[3], target_lm[9] * norm / target_lm[9].norm())
 
 
 def test_warm_start_refuses_a_head_of_another_shape():
