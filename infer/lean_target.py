@@ -78,6 +78,8 @@ class LeanTarget:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.weight = next(model.parameters())
         self.packed = pack_layers(model)
+        # Packed q|k|v come out of one call: rotate q and k together (Qwen3 norms each apart first).
+        self.joint_rope = self.packed is not None and not hasattr(self.inner.layers[0].self_attn, "q_norm")
         # Below fp32, a masked verify row does not round like the 1-token step that HF generate takes
         # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits.
         self.exact_attention = exact_verify and self.weight.dtype != torch.float32
@@ -128,7 +130,9 @@ class LeanTarget:
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
             causal = False
         x = self.inner.embed_tokens(tokens)[None]
-        cos, sin = self.inner.rotary_emb(x, positions[None])
+        cos, sin = self.inner.rotary_emb(x, positions[None])  # [1, n, D]
+        if self.joint_rope:  # for rows laid out [1, n, heads, D]
+            cos, sin = cos[:, :, None], sin[:, :, None]
         aux = []
         for i, layer in enumerate(self.inner.layers):
             x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal,
@@ -144,23 +148,29 @@ class LeanTarget:
                packed: dict | None) -> torch.Tensor:
         """One decoder layer in HF's order; writes this layer's K/V (kv [2, kv_heads, capacity, D]).
         packed: this layer's oneDNN-packed q|k|v, o, gate|up and down (or None: the modules' own)."""
-        a, n = layer.self_attn, x.shape[1]
+        a, n, D = layer.self_attn, x.shape[1], self.head_dim
         h = layer.input_layernorm(x)
-        if packed:
-            q, k, v = packed["qkv"](h).split(packed["qkv_sizes"], dim=-1)
+        if self.joint_rope:
+            qkv = packed["qkv"](h)
+            nqk = (self.heads + self.kv_heads) * D
+            qk = rope_rows(qkv[..., :nqk].view(1, n, self.heads + self.kv_heads, D), cos, sin)
+            q, k = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
+            v = qkv[..., nqk:].view(1, n, self.kv_heads, D).transpose(1, 2)
         else:
-            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
-        q = q.view(1, n, self.heads, self.head_dim)
-        k = k.view(1, n, self.kv_heads, self.head_dim)
-        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if packed:
+                q, k, v = packed["qkv"](h).split(packed["qkv_sizes"], dim=-1)
+            else:
+                q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q, k = q.view(1, n, self.heads, D), k.view(1, n, self.kv_heads, D)
+            if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = v.view(1, n, self.kv_heads, D).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
         kv[0, :, start:end] = k[0]
         kv[1, :, start:end] = v[0]
         if isinstance(mask, PathGroups):  # exact attention: [n, heads, 1, D]
-            o = path_attention(q, kv[:, :, :end], mask, a.scaling).reshape(1, n, self.heads * self.head_dim)
+            o = path_attention(q, kv[:, :, :end], mask, a.scaling).reshape(1, n, self.heads * D)
         else:
             o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
                                                is_causal=causal, scale=a.scaling, enable_gqa=True)
@@ -171,6 +181,13 @@ class LeanTarget:
             return x + layer.mlp(h)
         gate, up = packed["gate_up"](h).chunk(2, dim=-1)
         return x + packed["down"](layer.mlp.act_fn(gate) * up)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotation `x * cos + rotate_half(x) * sin`, op for op (so bit for bit), on x [1, n, heads, D]
+    with cos, sin [1, n, 1, D]: q and k heads side by side in one pass."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def pack_layers(model) -> dict | None:
