@@ -8,7 +8,8 @@ Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, EAGLE chain (top_
 same tree decoded on the HF forward instead of the lean one (`eagle_tree_hf_forward`; differs from
 `eagle_tree` only for Llama-shaped targets, infer/lean_target.py), HF prompt-lookup decoding, HF
 assisted generation with a 2-layer assistant trained by tools/demo_target.py (built on first use when
-missing). Each prompt runs every method in turn, so drift on a shared machine hits all alike. tau = new tokens / target forwards after prefill.
+missing). Each prompt runs every method in turn, so drift on a shared machine hits all alike.
+tau = new tokens / target forwards after prefill.
 For our own loops the JSON also has `round_split` (seconds per round: draft = tree growth + ingest,
 verify = the target forward, accept = acceptance + KV compaction, other = the rest of the loop) and
 `model_speedup`, the cost model's prediction tau x T_step / (T_verify + T_draft) from the measured tau and
@@ -43,7 +44,8 @@ class ForwardCounter:
 def ensure_assistant(path: Path, target: Path) -> Path:
     if not (path / "config.json").is_file():
         corpus = ROOT / "runs/demo/corpus/train.jsonl"
-        subprocess.run([sys.executable, str(ROOT / "tools/demo_target.py"), f"tokenizer={target}", "--out", str(path),
+        subprocess.run([sys.executable, str(ROOT / "tools/demo_target.py"), f"tokenizer={target}",
+                        "--out", str(path),
                         "--preset", "assistant", "--corpus", str(corpus)], check=True)
     return path
 
@@ -58,7 +60,7 @@ def fused_verify(gen: EagleGenerator, ids: list[int], s: SpecSettings):
     return g.tokens, g.stats
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
     ap.add_argument("--head", type=Path, default=Path("runs/demo/head/head_sglang"))
@@ -74,61 +76,60 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip", nargs="*", default=[], help="methods to leave out")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="target and head dtype (HF generate runs the same model object)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return ap.parse_args(argv)
+
+
+def build_methods(gen: EagleGenerator, args) -> dict:
+    """name -> fn(prompt ids) -> (tokens, SpecStats or None), without the skipped ones."""
     from transformers import AutoModelForCausalLM
 
-    gen = EagleGenerator.from_folders(args.target, args.head, dtype=getattr(torch, args.dtype))
-    model, tok = gen.target.model, gen.tokenizer
-    counter = ForwardCounter(model)
-    gen_hf = None
-    if "eagle_tree_hf_forward" not in args.skip:  # shares the model and head; adds 3 aux hooks to HF's forward
-        gen_hf = EagleGenerator(model, tok, gen.draft.head, gen.target.aux_layer_ids, lean=False)
-    assistant = None
+    model, n_new = gen.target.model, args.max_new_tokens
+    gen_hf = assistant = None
+    if "eagle_tree_hf_forward" not in args.skip:  # shares the model and head; 3 aux hooks on HF's forward
+        gen_hf = EagleGenerator(model, gen.tokenizer, gen.draft.head, gen.target.aux_layer_ids, lean=False)
     if "assisted" not in args.skip:
         assistant = AutoModelForCausalLM.from_pretrained(ensure_assistant(args.assistant, args.target)).eval()
-    texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n)
-    texts = texts[: args.n]
-    n_new = args.max_new_tokens
-    tree = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens, max_new_tokens=n_new)
+    tree = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens,
+                        max_new_tokens=n_new)
     chain = SpecSettings(mode="chain", depth=args.depth, max_new_tokens=n_new)
     vanilla = SpecSettings(mode="vanilla", max_new_tokens=n_new)
 
     def hf(ids, **kw):
         x = torch.tensor([ids])
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, do_sample=False, **kw)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, do_sample=False,
+                             **kw)
         return out[0, len(ids):].tolist(), None
 
-    methods = {
-        "hf_generate": lambda ids: hf(ids),
-        "vanilla": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, vanilla)),
-        "eagle_tree": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, tree)),
-        "eagle_chain": lambda ids: (lambda g: (g.tokens, g.stats))(gen.generate(ids, chain)),
-        "eagle_tree_hf_forward": lambda ids: (lambda g: (g.tokens, g.stats))(gen_hf.generate(ids, tree)),
-        "eagle_tree_fused_verify": lambda ids: fused_verify(gen, ids, tree),
-        "prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
-        "assisted": lambda ids: hf(ids, assistant_model=assistant),
-    }
+    def ours(g: EagleGenerator, s: SpecSettings):
+        return lambda ids: (lambda out: (out.tokens, out.stats))(g.generate(ids, s))
+
+    methods = {"hf_generate": hf, "vanilla": ours(gen, vanilla), "eagle_tree": ours(gen, tree),
+               "eagle_chain": ours(gen, chain), "eagle_tree_hf_forward": gen_hf and ours(gen_hf, tree),
+               "eagle_tree_fused_verify": lambda ids: fused_verify(gen, ids, tree),
+               "prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
+               "assisted": lambda ids: hf(ids, assistant_model=assistant)}
+    skip = set(args.skip)
     if not (gen.target.lean and gen.target.lean.exact_attention):
-        args.skip.append("eagle_tree_fused_verify")  # the same as eagle_tree
-    methods = {k: v for k, v in methods.items() if k not in args.skip}
+        skip.add("eagle_tree_fused_verify")  # the same as eagle_tree
+    return {k: v for k, v in methods.items() if k not in skip}
+
+
+def measure(methods: dict, prompts: list[list[int]], counter: ForwardCounter) -> dict:
+    """Every method on every prompt in turn (the first prompt once more before, as warm-up)."""
     agg = {k: {"tokens": 0, "seconds": 0.0, "forwards": 0, "accepted": [], "match": 0,
                "split": {"draft": 0.0, "verify": 0.0, "accept": 0.0, "other": 0.0}} for k in methods}
-    for ids in (chat_ids(tok, t) for t in texts[:1]):  # warm-up, not counted
-        for fn in methods.values():
-            fn(ids)
+    for fn in methods.values():
+        fn(prompts[0])
     with torch.no_grad():
-        for text in texts:
-            ids = chat_ids(tok, text)
+        for ids in prompts:
             ref = None
             for name, fn in methods.items():
                 counter.n = 0
                 t0 = time.perf_counter()
                 tokens, stats = fn(ids)
-                dt = time.perf_counter() - t0
                 a = agg[name]
+                a["seconds"] += time.perf_counter() - t0
                 a["tokens"] += len(tokens)
-                a["seconds"] += dt
                 a["forwards"] += stats.rounds if stats is not None else max(0, counter.n - 1)
                 if stats is not None:
                     a["accepted"] += stats.accepted
@@ -136,32 +137,53 @@ def main(argv=None) -> dict:
                         a["split"][part] += sec
                 ref = tokens if ref is None else ref
                 a["match"] += tokens == ref
+    return agg
+
+
+def summarize(agg: dict, n_prompts: int, depth: int) -> dict:
+    """Per method: tau, tokens/s, speedup vs HF generate, greedy match; for our loops the round split,
+    and for the speculative ones the cost model's speedup beside the measured one."""
     base = agg["hf_generate"]["tokens"] / agg["hf_generate"]["seconds"] if "hf_generate" in agg else None
-    result = {"lean_target": gen.target.lean is not None, "dtype": args.dtype,
-              "packed_linears": bool(gen.target.lean and gen.target.lean.packed), "depth": args.depth, "prompts": len(texts),
-              "max_new_tokens": n_new, "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}}
+    result = {}
     for name, a in agg.items():
         tps = a["tokens"] / a["seconds"]
         entry = {"tau": round(a["tokens"] / max(1, a["forwards"]), 3), "tokens_per_s": round(tps, 1),
                  "speedup_vs_hf": round(tps / base, 3) if base else None,
-                 "greedy_match": f"{a['match']}/{len(texts)}"}
+                 "greedy_match": f"{a['match']}/{n_prompts}"}
+        rounds = max(1, len(a["accepted"]))
         if name.startswith("eagle_"):
-            rounds = max(1, len(a["accepted"]))
-            entry["accept_by_depth"] = [round(sum(x > d for x in a["accepted"]) / rounds, 3) for d in range(args.depth)]
+            entry["accept_by_depth"] = [round(sum(x > d for x in a["accepted"]) / rounds, 3)
+                                        for d in range(depth)]
         if name == "vanilla" or name.startswith("eagle_"):
-            rounds = max(1, len(a["accepted"]))
             entry["round_split"] = {k: round(v / rounds, 5) for k, v in a["split"].items()}
             share = sum(a["split"].values())
             entry["other_share"] = round(a["split"]["other"] / share, 4) if share else None
         result[name] = entry
     if "vanilla" in result:
-        t_step = result["vanilla"]["round_split"]["verify"]
-        van_tps = result["vanilla"]["tokens_per_s"]
+        t_step, van_tps = result["vanilla"]["round_split"]["verify"], result["vanilla"]["tokens_per_s"]
         for name in ("eagle_tree", "eagle_chain", "eagle_tree_hf_forward"):
             if name in result:
-                rs = result[name]["round_split"]
-                result[name]["model_speedup"] = round(result[name]["tau"] * t_step / (rs["verify"] + rs["draft"]), 3)
-                result[name]["speedup_vs_vanilla"] = round(result[name]["tokens_per_s"] / van_tps, 3)
+                r = result[name]
+                rs = r["round_split"]
+                r["model_speedup"] = round(r["tau"] * t_step / (rs["verify"] + rs["draft"]), 3)
+                r["speedup_vs_vanilla"] = round(r["tokens_per_s"] / van_tps, 3)
+    return result
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    gen = EagleGenerator.from_folders(args.target, args.head, dtype=getattr(torch, args.dtype))
+    counter = ForwardCounter(gen.target.model)
+    methods = build_methods(gen, args)
+    texts = (prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n))[: args.n]
+    agg = measure(methods, [chat_ids(gen.tokenizer, t) for t in texts], counter)
+    lean = gen.target.lean
+    result = {"lean_target": lean is not None, "dtype": args.dtype,
+              "packed_linears": bool(lean and lean.packed),
+              "depth": args.depth, "prompts": len(texts), "max_new_tokens": args.max_new_tokens,
+              "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}}
+    result.update(summarize(agg, len(texts), args.depth))
     print(json.dumps(result))
     return result
 
