@@ -16,6 +16,7 @@ rule on this CPU and this head shape once, and falls back to block 1 (one call p
 from __future__ import annotations
 
 import functools
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +58,9 @@ def rounding_block(heads: int, kv_heads: int, head_dim: int, like: torch.Tensor)
 class PathGroups:
     """The rows of a verify mask [1, 1, n, N] (bool keep, or additive 0 / -inf) grouped by the block class
     of how many keys they see (`block` 1: by the count itself), computed once per forward. Each group is
-    (rows, lead, tail, pad, c): rows a slice when consecutive (a tree in creation order) else an index
-    tensor; every row sees slots [0, lead) (the committed prefix: expanded, not gathered); tail
+    (first, stop, rows, lead, tail, pad, c): rows [first, stop) when consecutive (a tree in creation order,
+    rows None) else the index tensor rows; every row sees slots [0, lead) (the committed prefix: expanded,
+    not gathered); tail
     [g * (c - lead)] the rest of each row's keys in position order, padded with slot 0; pad [g, 1, 1, c]
     (bool keep) masks the padding (None when no row is padded); c the class's longest row. `in_order`:
     the groups' rows are consecutive slices tiling 0..n in order, so the outputs can be concatenated."""
@@ -83,21 +85,29 @@ class PathGroups:
             lead = c if bool(shared.all()) else int((~shared).nonzero()[0])
             if int(rows[-1]) - first == g - 1:
                 self.in_order &= first == end
-                end, rows = first + g, slice(first, first + g)
+                end, rows = first + g, None
             else:
                 self.in_order = False
             pad = None if bool(keep.all()) else keep[:, None, None]
-            self.groups.append((rows, lead, keys[:, lead:].flatten(), pad, c))
+            self.groups.append((first, first + g, rows, lead, keys[:, lead:].flatten(), pad, c))
 
 
 def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: float) -> torch.Tensor:
     """q [1, heads, n, D]; kv [2, kv_heads, N, D] (this layer's K and V) -> [n, heads, 1, D]: each row
     attends to its visible keys as its 1-token step does (module docstring), one SDPA call per group."""
+    return _path_attention(q, kv, paths.groups, paths.in_order, scale)
+
+
+@torch.jit.script
+def _path_attention(q: torch.Tensor, kv: torch.Tensor,
+                    groups: List[Tuple[int, int, Optional[torch.Tensor], int, torch.Tensor, Optional[torch.Tensor], int]],
+                    in_order: bool, scale: float) -> torch.Tensor:
+    """path_attention in TorchScript: the same ATen calls without a Python dispatch per op."""
     kvh, D = kv.shape[1], kv.shape[3]
-    rows_first = q[0].transpose(0, 1)[:, :, None]  # [n, heads, 1, D], a view
-    outs = []
-    for rows, lead, tail, pad, c in paths.groups:
-        qg = rows_first[rows] if isinstance(rows, slice) else rows_first.index_select(0, rows)
+    rows_first = q[0].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, D], a view
+    outs: List[torch.Tensor] = []
+    for first, stop, rows, lead, tail, pad, c in groups:
+        qg = rows_first[first:stop] if rows is None else rows_first.index_select(0, rows)
         g = qg.shape[0]
         both = kv[:, None, :, :lead]  # [2, 1, kv_heads, lead, D]
         if lead < c or g > 1:  # K and V of the group's rows: [2, rows, kv_heads, c, D]
@@ -105,9 +115,13 @@ def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: 
             both = torch.cat([both.expand(2, g, kvh, lead, D), own], dim=3)
         outs.append(F.scaled_dot_product_attention(qg, both[0], both[1], attn_mask=pad, scale=scale,
                                                    enable_gqa=True))
-    if paths.in_order:
+    if in_order:
         return torch.cat(outs)
-    out = rows_first.new_empty(rows_first.shape)
-    for (rows, *_), og in zip(paths.groups, outs):
-        out[rows] = og
+    out = torch.empty_like(rows_first)
+    for i in range(len(groups)):
+        first, stop, rows, lead, tail, pad, c = groups[i]
+        if rows is None:
+            out[first:stop] = outs[i]
+        else:
+            out.index_copy_(0, rows, outs[i])
     return out

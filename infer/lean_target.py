@@ -22,6 +22,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from infer.exact_attention import PathGroups, path_attention, rounding_block
 from infer.packed_linear import PackedLinear, packing_unsupported
+from infer.scripted_layer import attention_inputs, output_and_mlp
 from pipeline.target import FULL, attention_layout, text_config
 
 log = logging.getLogger(__name__)
@@ -77,9 +78,11 @@ class LeanTarget:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.weight = next(model.parameters())
+        self.scaling = self.inner.layers[0].self_attn.scaling
         self.packed = pack_layers(model)
-        # Packed q|k|v come out of one call: rotate q and k together (Qwen3 norms each apart first).
-        self.joint_rope = self.packed is not None and not hasattr(self.inner.layers[0].self_attn, "q_norm")
+        # Packed Llama-shaped layers run as TorchScript (HF's ops, HF's bits, no per-op Python); q and k
+        # come out of one q|k|v call and are rotated together. None: the modules' path (`_layer`).
+        self.script_args = self._script_args()
         # Below fp32, a masked verify row does not round like the 1-token step that HF generate takes
         # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits.
         self.exact_attention = exact_verify and self.weight.dtype != torch.float32
@@ -131,12 +134,16 @@ class LeanTarget:
             causal = False
         x = self.inner.embed_tokens(tokens)[None]
         cos, sin = self.inner.rotary_emb(x, positions[None])  # [1, n, D]
-        if self.joint_rope:  # for rows laid out [1, n, heads, D]
-            cos, sin = cos[:, :, None], sin[:, :, None]
         aux = []
+        scripted = self.script_args is not None
+        if scripted:
+            cos, sin = cos[:, :, None], sin[:, :, None]  # for q and k rows laid out [1, n, heads, D]
         for i, layer in enumerate(self.inner.layers):
-            x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal,
-                            self.packed["layers"][i] if self.packed else None)
+            if scripted:
+                x = self._layer_scripted(self.script_args[i], x, cos, sin, cache.kv[i], start, end, mask, causal)
+            else:
+                x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal,
+                                self.packed["layers"][i] if self.packed else None)
             if i in self.aux_layer_ids:
                 aux.append(x[0])
         cache.length = end
@@ -146,48 +153,70 @@ class LeanTarget:
 
     def _layer(self, layer, x, cos, sin, kv, start: int, end: int, mask, causal: bool,
                packed: dict | None) -> torch.Tensor:
-        """One decoder layer in HF's order; writes this layer's K/V (kv [2, kv_heads, capacity, D]).
+        """One decoder layer in HF's order through the model's modules (fp32, Qwen3's q/k norms, or a
+        layer the script does not reproduce); writes this layer's K/V (kv [2, kv_heads, capacity, D]).
         packed: this layer's oneDNN-packed q|k|v, o, gate|up and down (or None: the modules' own)."""
         a, n, D = layer.self_attn, x.shape[1], self.head_dim
         h = layer.input_layernorm(x)
-        if self.joint_rope:
-            qkv = packed["qkv"](h)
-            nqk = (self.heads + self.kv_heads) * D
-            qk = rope_rows(qkv[..., :nqk].view(1, n, self.heads + self.kv_heads, D), cos, sin)
-            q, k = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
-            v = qkv[..., nqk:].view(1, n, self.kv_heads, D).transpose(1, 2)
+        if packed:
+            q, k, v = packed["qkv"](h).split(packed["qkv_sizes"], dim=-1)
         else:
-            if packed:
-                q, k, v = packed["qkv"](h).split(packed["qkv_sizes"], dim=-1)
-            else:
-                q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
-            q, k = q.view(1, n, self.heads, D), k.view(1, n, self.kv_heads, D)
-            if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = v.view(1, n, self.kv_heads, D).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        kv[0, :, start:end] = k[0]
-        kv[1, :, start:end] = v[0]
-        if isinstance(mask, PathGroups):  # exact attention: [n, heads, 1, D]
-            o = path_attention(q, kv[:, :, :end], mask, a.scaling).reshape(1, n, self.heads * D)
-        else:
-            o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
-                                               is_causal=causal, scale=a.scaling, enable_gqa=True)
-            o = o.transpose(1, 2).reshape(1, n, self.heads * self.head_dim)
-        x = x + (packed["o"] if packed else a.o_proj)(o)
+            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+        q, k = q.view(1, n, self.heads, D), k.view(1, n, self.kv_heads, D)
+        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        v = v.view(1, n, self.kv_heads, D).transpose(1, 2)
+        x = x + (packed["o"] if packed else a.o_proj)(self._attend(q, k, v, kv, start, end, mask, causal))
         h = layer.post_attention_layernorm(x)
         if not packed:
             return x + layer.mlp(h)
         gate, up = packed["gate_up"](h).chunk(2, dim=-1)
         return x + packed["down"](layer.mlp.act_fn(gate) * up)
 
+    def _layer_scripted(self, args: tuple, x, cos, sin, kv, start: int, end: int, mask, causal: bool):
+        """`_layer` for a packed Llama-shaped layer, in its two TorchScript halves (infer/scripted_layer.py)
+        around the attention; args: this layer's `script_args` entry."""
+        norm1, eps1, qkv, qkv_b, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b = args
+        q, k, v = attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
+                                   self.head_dim)
+        attn = self._attend(q, k, v, kv, start, end, mask, causal)
+        return output_and_mlp(x, attn, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b)
 
-def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotation `x * cos + rotate_half(x) * sin`, op for op (so bit for bit), on x [1, n, heads, D]
-    with cos, sin [1, n, 1, D]: q and k heads side by side in one pass."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    def _attend(self, q, k, v, kv, start: int, end: int, mask, causal: bool) -> torch.Tensor:
+        """Write k, v [1, kv_heads, n, D] at slots [start, end); attend q [1, heads, n, D] -> [1, n, heads * D]."""
+        n, width = q.shape[2], self.heads * self.head_dim
+        kv[0, :, start:end] = k[0]
+        kv[1, :, start:end] = v[0]
+        if isinstance(mask, PathGroups):  # exact attention: [n, heads, 1, D]
+            return path_attention(q, kv[:, :, :end], mask, self.scaling).reshape(1, n, width)
+        o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
+                                           is_causal=causal, scale=self.scaling, enable_gqa=True)
+        return o.transpose(1, 2).reshape(1, n, width)
+
+    def _script_args(self) -> list[tuple] | None:
+        """Per layer, what the scripted halves take: when the layers are packed, have no q/k norms and
+        RMSNorms with `variance_epsilon`, and layer 0 scripted gives `_layer`'s bits on a probe; else None."""
+        if self.packed is None or hasattr(self.inner.layers[0].self_attn, "q_norm"):
+            return None
+        args = []
+        for layer, p in zip(self.inner.layers, self.packed["layers"]):
+            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+            if not all(hasattr(m, "variance_epsilon") for m in (n1, n2)):
+                return None
+            args.append((n1.weight, float(n1.variance_epsilon), p["qkv"].packed, p["qkv"].bias, p["o"].packed,
+                         p["o"].bias, n2.weight, float(n2.variance_epsilon), p["gate_up"].packed,
+                         p["gate_up"].bias, p["down"].packed, p["down"].bias))
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 5, self.inner.embed_tokens.weight.shape[1], generator=gen).to(self.weight)
+        cos, sin = self.inner.rotary_emb(x, torch.arange(5, device=x.device)[None])
+        kv = [self.weight.new_zeros(2, self.kv_heads, 8, self.head_dim) for _ in range(2)]
+        want = self._layer(self.inner.layers[0], x, cos, sin, kv[0], 0, 5, None, True, self.packed["layers"][0])
+        got = self._layer_scripted(args[0], x, cos[:, :, None], sin[:, :, None], kv[1], 0, 5, None, True)
+        if torch.equal(got, want) and torch.equal(kv[0], kv[1]):
+            return args
+        log.info("lean target keeps the modules' layer: the scripted layer's probe differs")
+        return None
 
 
 def pack_layers(model) -> dict | None:

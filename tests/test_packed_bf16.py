@@ -1,5 +1,5 @@
-"""bf16 decoding on oneDNN (infer/packed_linear.py, infer/lean_target.py `path_attention`): packed linears
-give F.linear's rows bit for bit at any row count, a verified tree's rows are bit for bit what HF's own
+"""bf16 decoding on oneDNN (infer/packed_linear.py, infer/scripted_layer.py, infer/exact_attention.py):
+packed linears give F.linear's rows bit for bit at any row count, scripted layers the modules' bits, a verified tree's rows are bit for bit what HF's own
 1-token steps give for each node's path, and greedy tree decoding in bf16 is token-identical to HF generate
 in bf16. Skipped where this CPU has no oneDNN bf16 (the CI box has AMX)."""
 from __future__ import annotations
@@ -80,6 +80,38 @@ def test_bf16_lean_target_packs_and_its_prefill_equals_hf(model):
     with torch.no_grad():
         want = m(input_ids=ids[None]).logits[0].float()
     assert torch.equal(logits, want), (name, (logits - want).abs().max())
+
+
+def test_scripted_layers_give_the_modules_bits(model):
+    """Packed Llama-shaped layers run as TorchScript (infer/scripted_layer.py) with the bits of the
+    modules' path, q|k|v biases included; Qwen3 (q/k norms) keeps the modules' path."""
+    name, m = model
+    lean = LeanTarget.build(m, default_aux_layers(6))
+    assert (lean.script_args is not None) == (name != "qwen3"), name
+    if lean.script_args is None:
+        return
+    ids, pos = ids_of(3, 30), torch.arange(30)
+    got = lean.forward(ids, pos, lean.new_cache())
+    lean.script_args = None
+    want = lean.forward(ids, pos, lean.new_cache())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+
+
+def test_a_layer_the_script_does_not_reproduce_keeps_the_modules_path():
+    m = bf16_model(FAMILIES["llama"]())
+    norm = m.model.layers[0].post_attention_layernorm
+
+    class Offset(type(norm)):  # a variant (a Gemma-like shift) with the same attributes as LlamaRMSNorm
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    norm.__class__ = Offset
+    lean = LeanTarget.build(m, default_aux_layers(6))
+    assert lean is not None and lean.packed is not None and lean.script_args is None
+    ids = ids_of(4, 20)
+    logits, _ = lean.forward(ids, torch.arange(20), lean.new_cache())
+    with torch.no_grad():
+        assert torch.equal(logits, m(input_ids=ids[None]).logits[0].float())
 
 
 @pytest.mark.parametrize("block", ["probed", 1])
