@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.packed_linear import PackedLinear, with_packed_linears
+from infer.scripted_layer import draft_inputs, draft_outputs
 from infer.tree import Tree
 from infer.tree_tensor import CandidateTable, finalize_tensor, rerank_tensor
 from trainer.head import Eagle3Head
@@ -49,6 +50,7 @@ class DraftRunner:
         self.embed = embed
         attn = head.midlayer.self_attn
         self.cache = DraftCache(attn.kv_heads, attn.head_dim, embed)
+        self.script_args = self._script_args() if self.head is not head else None
         self.level_logits: list[torch.Tensor] = []  # the last tree's draft logits per level (tests read it)
 
     def reset(self) -> None:
@@ -58,15 +60,52 @@ class DraftRunner:
     def cached(self) -> int:
         return self.cache.committed
 
-    def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int, mask: torch.Tensor):
+    def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int, mask: torch.Tensor,
+              last_only: bool = False):
         """m elements written at cache slots [slot, slot + m), attending to slots [0, slot + m) under
-        mask [m, slot + m] bool. -> (pre-norm outputs [m, H], logits [m, Vd])."""
-        q, k, v = self.head.qkv(h[None], F.embedding(tokens, self.embed)[None], positions[None])
+        mask [m, slot + m] bool. -> (pre-norm outputs [m, H], logits [m, Vd], or [1, Vd] for the last
+        element when last_only)."""
+        emb = F.embedding(tokens, self.embed)[None]
+        if self.script_args is None:
+            q, k, v = self.head.qkv(h[None], emb, positions[None])
+        else:
+            inputs, outputs = self.script_args
+            cos, sin = self.head.rotary(emb, positions[None])
+            q, k, v = draft_inputs(h[None], emb, *inputs[:4], cos[:, :, None], sin[:, :, None], *inputs[4:])
         self.cache.write(slot, k, v)
         kk, vv = self.cache.upto(slot + len(tokens))
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[None, None], enable_gqa=True)
+        if self.script_args is not None:
+            x, logits = draft_outputs(h[None], out, *outputs, last_only)
+            return x[0], logits[0]
         x = self.head.finish(h[None], out)[0]
-        return x, self.head.logits(x)
+        return x, self.head.logits(x[-1:] if last_only else x)
+
+    def _script_args(self) -> tuple | None:
+        """What the scripted halves of the head's layer take (infer/scripted_layer.py) when every linear
+        is packed and a probe step gives the modules' bits; else None (the modules' path)."""
+        layer, head = self.head.midlayer, self.head
+        parts = (layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up,
+                 layer.mlp.down_proj, head.lm_head)
+        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)
+        if not all(isinstance(p, PackedLinear) and p.bias is None for p in parts) or \
+                len({n.eps for n in norms}) != 1:
+            return None
+        attn = layer.self_attn
+        args = ((layer.input_layernorm.weight, layer.hidden_norm.weight, float(norms[0].eps), parts[0].packed,
+                 attn.heads, attn.kv_heads, attn.head_dim),
+                (parts[1].packed, layer.post_attention_layernorm.weight, float(norms[0].eps), parts[2].packed,
+                 parts[3].packed, head.norm.weight, parts[4].packed))
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(3, self.embed.shape[1], generator=gen).to(self.embed)
+        tokens, pos = torch.tensor([1, 2, 3]), torch.arange(3)
+        mask = torch.ones(3, 3, dtype=torch.bool).tril()
+        self.script_args = None
+        want = self._step(h, tokens, pos, 0, mask)
+        self.script_args = args
+        got = self._step(h, tokens, pos, 0, mask)
+        same = all(torch.equal(a, b) for a, b in zip(got, want))
+        return args if same else None
 
     @torch.no_grad()
     def ingest(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):
@@ -76,7 +115,7 @@ class DraftRunner:
         h = self.head.fc(aux.to(self.embed.dtype))
         mask = torch.ones(n, c + n, dtype=torch.bool, device=h.device)
         mask[:, c:] = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
-        x, logits = self._step(h, next_tokens, positions, c, mask)
+        x, logits = self._step(h, next_tokens, positions, c, mask, last_only=True)  # a prompt: no [n, Vd]
         self.cache.committed = c + n
         return x[-1], logits[-1]
 

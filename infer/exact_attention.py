@@ -21,6 +21,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from infer.scripted_layer import script
+
 
 def padded_equals_exact(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
                         block: int, max_len: int = 1100) -> bool:
@@ -98,7 +100,7 @@ def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: 
     return _path_attention(q, kv, paths.groups, paths.in_order, scale)
 
 
-@torch.jit.script
+@script
 def _path_attention(q: torch.Tensor, kv: torch.Tensor,
                     groups: List[Tuple[int, int, Optional[torch.Tensor], int, torch.Tensor, Optional[torch.Tensor], int]],
                     in_order: bool, scale: float) -> torch.Tensor:
