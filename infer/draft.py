@@ -81,6 +81,7 @@ class DraftRunner:
         x = self.head.finish(h[None], out)[0]
         return x, self.head.logits(x[-1:] if last_only else x)
 
+    @torch.no_grad()
     def _script_args(self) -> tuple | None:
         """What the scripted halves of the head's layer take (infer/scripted_layer.py) when every linear
         is packed and a probe step gives the modules' bits; else None (the modules' path)."""

@@ -194,6 +194,7 @@ class LeanTarget:
                                            is_causal=causal, scale=self.scaling, enable_gqa=True)
         return o.transpose(1, 2).reshape(1, n, width)
 
+    @torch.no_grad()
     def _script_args(self) -> list[tuple] | None:
         """Per layer, what the scripted halves take: when the layers are packed, have no q/k norms and
         RMSNorms with `variance_epsilon`, and layer 0 scripted gives `_layer`'s bits on a probe; else None."""
