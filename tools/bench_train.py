@@ -133,14 +133,15 @@ def measure(base: dict, out: Path, **over) -> dict:
             "step_s": round(statistics.median(r["step_s"] for r in recs), 4), "windows": len(recs)}
 
 
-def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path, blocked: bool) -> dict:
+def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path, blocked: bool,
+                zero_stage: int = 2) -> dict:
     from pipeline.shards import read_manifest
 
     base = {"target": target, "data": {"shards": shards, "max_tokens_per_batch": 2048,
                                        "max_rows_per_batch": 16, "val_rows": 0},
             "model": {"ttt_length": 7}, "optim": {"lr": 1e-3}, "max_steps": steps, "epochs": 50,
             "log_every": 2, "eval_every": 10 ** 6, "checkpoint_every": 10 ** 6, "export_formats": [],
-            "deepspeed": {"zero_stage": 2, "dtype": "fp32"},
+            "deepspeed": {"zero_stage": zero_stage, "dtype": "fp32"},
             "scaling": {"num_workers": 1, "cpus_per_worker": 1, "threads_per_worker": 1}}
     one = measure(base, work / "w1")
     ray_cpu = RayCpu()
@@ -177,6 +178,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ttt", default="1,4,7", help="TTT lengths for the step-time sweep (7 is the main run)")
     ap.add_argument("--compare-blocked", action="store_true",
                     help="also run 1 worker on the blocked TTT attention (model.attention=blocked)")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     args = ap.parse_args(argv)
     shapes = {}
     for spec in args.shape or [DEFAULT_SHAPE]:
@@ -190,7 +192,8 @@ def main(argv=None) -> dict:
     peak2 = concurrent_peak_gflops(2)
     ensure_ray()
     with tempfile.TemporaryDirectory() as d:
-        per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked)
+        per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked,
+                                 args.zero_stage)
                for name, (t, s) in shapes.items()}
     for r in per.values():
         r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)
@@ -199,7 +202,7 @@ def main(argv=None) -> dict:
               "share_of_peak": {k: v["share_of_peak"] for k, v in per.items()},
               "tokens_per_s": {k: v["tokens_per_s"] for k, v in per.items()},
               "workers2_vs_1": {k: v["workers2_vs_1"] for k, v in per.items()},
-              "shapes": per, "steps_per_run": args.steps, "zero_stage": 2, "threads_per_worker": 1}
+              "shapes": per, "steps_per_run": args.steps, "zero_stage": args.zero_stage, "threads_per_worker": 1}
     print(json.dumps(result))
     return result
 
