@@ -1,9 +1,9 @@
-"""Training benchmark: tokens/s with 1 vs 2 workers (ZeRO-2, one CPU thread each), step time vs TTT length,
-the share of this machine's fp32 matmul peak the trainer reaches, and what Ray's own processes take.
+"""Training benchmark: tokens/s with 1 vs 2 workers (ZeRO-2 unless --zero-stage, one CPU thread each), step
+time vs TTT length, the share of this machine's fp32 matmul peak the trainer reaches, and what Ray's own processes take.
 
     python tools/bench_train.py [--shape demo=runs/demo/target,runs/demo/data/capture]
                                 [--shape smollm2=runs/smollm2/target,runs/smollm2/data/capture] [--steps 12]
-                                [--compare-blocked]
+                                [--compare-blocked] [--zero-stage 0|1|2|3]
 
 All runs share one Ray instance and the same data order; each run's first log window (start-up,
 first-touch allocations) is dropped. The peak is a large fp32 GEMM on one thread (a worker's share),
@@ -202,7 +202,8 @@ def main(argv=None) -> dict:
               "share_of_peak": {k: v["share_of_peak"] for k, v in per.items()},
               "tokens_per_s": {k: v["tokens_per_s"] for k, v in per.items()},
               "workers2_vs_1": {k: v["workers2_vs_1"] for k, v in per.items()},
-              "shapes": per, "steps_per_run": args.steps, "zero_stage": args.zero_stage, "threads_per_worker": 1}
+              "shapes": per, "steps_per_run": args.steps, "zero_stage": args.zero_stage,
+              "threads_per_worker": 1}
     print(json.dumps(result))
     return result
 
