@@ -1,5 +1,6 @@
 """Training benchmark: tokens/s with 1 vs 2 workers (ZeRO-2 unless --zero-stage, one CPU thread each), step
-time vs TTT length, the share of this machine's fp32 matmul peak the trainer reaches, and what Ray's own processes take.
+time vs TTT length, the share of this machine's fp32 matmul peak the trainer reaches, and what Ray's own
+processes take.
 
     python tools/bench_train.py [--shape demo=runs/demo/target,runs/demo/data/capture]
                                 [--shape smollm2=runs/smollm2/target,runs/smollm2/data/capture] [--steps 12]
