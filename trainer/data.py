@@ -1,8 +1,9 @@
 """Training data: the pipeline's shards through Ray Data, checked against the target, bucketed by length.
 
 Each worker streams its split of the rows, gathers a pool of `bucket_pool` rows, sorts the pool by
-length into padded micro-batches under a token budget, and shuffles those batches with a seed derived
-from (seed, epoch, pool): the order is a pure function of the stream, so a resumed run replays it exactly.
+length into padded micro-batches under a token budget, and orders those batches with a seed derived
+from (seed, epoch, pool), the same on every rank (`plan_batches`): the order is a pure function of the
+stream, so a resumed run replays it exactly.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random
     `segments` runs of equal count, and rng shuffles the runs and flips each one's direction. Every rank
     draws the same rng for the same pool, so at a given step the ranks hold batches from the same place in
     their own size order: similar work, so neither waits long for the other at the gradient all-reduce
-    (a full shuffle paired random sizes: 2 demo workers reached 1.3x one, ARCHITECTURE.md §5)."""
+    (a full shuffle paired random sizes: 2 demo workers reached 1.3x one, ARCHITECTURE.md §10)."""
     batches = length_buckets(lengths, max_tokens, max_rows)
     batches.sort(key=lambda b: len(b) * max(lengths[i] for i in b))  # stable: ties keep length order
     n = len(batches)
