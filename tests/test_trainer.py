@@ -117,3 +117,37 @@ def test_batch_order_pairs_similar_sizes_across_ranks():
     assert paired < 0.35 * unpaired, (paired, unpaired)
     assert plan_batches(pools[0], 2048, 16, random.Random(7)) == plans[0]
     assert plan_batches(pools[0], 2048, 16, random.Random(8)) != plans[0]
+
+
+def test_batch_order_pairs_similar_flops_across_ranks():
+    """Where loss tokens vary per row (their vocab-sized work outweighs the layer on a SmolLM2-shaped
+    head), ordering by estimated FLOPs pairs the ranks' batches on work better than padded size does."""
+    import random
+
+    from trainer.cost import step_flops
+    from trainer.data import flops_cost, plan_batches
+    from trainer.head import HeadConfig
+
+    hcfg = HeadConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, vocab_size=49152, draft_vocab_size=8192, target_hidden_size=576)
+    flops = step_flops(hcfg, 7)
+    assert flops.per_token == 6 * (3 * 576 * 576 + 7 * (2 * 576 * 15 * 64 + 576 * 576 + 3 * 576 * 1536))
+    assert flops.batch(2, 10, 5) == 20 * (flops.per_token + flops.per_token_key * 5) + 5 * (
+        7 * 6 * 576 * 8192 + 2 * 576 * 49152)
+    gen = random.Random(0)
+    pools = []
+    for _ in range(2):
+        lengths = [gen.choice([gen.randint(8, 60), gen.randint(60, 400)]) for _ in range(256)]
+        pools.append((lengths, [int(n * gen.uniform(0.05, 0.95)) for n in lengths]))
+
+    def paired_gap(by_flops: bool) -> float:
+        costs = []
+        for lengths, loss in pools:
+            cost = flops_cost(lengths, loss, flops)
+            plan = plan_batches(lengths, 2048, 16, random.Random(7), cost if by_flops else None)
+            assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
+            costs.append([cost(b) for b in plan])
+        n = min(map(len, costs))
+        return sum(abs(x - y) for x, y in zip(costs[0][:n], costs[1][:n])) / n
+
+    assert paired_gap(True) < 0.6 * paired_gap(False), (paired_gap(True), paired_gap(False))

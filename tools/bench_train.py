@@ -84,19 +84,14 @@ def loss_token_shares(shards: Path, ttt_length: int) -> dict:
 
 
 def flops_per_token(target: str, draft_vocab: int, ttt_length: int, seq_len: float, shares: dict) -> float:
-    """Executed training FLOPs per token (module docstring): 3 x forward of the head body per TTT step
-    (fc, q/k/v/o, MLP, attention over ~T/2 keys), 3 x the draft lm_head on counted positions, plus the
-    target lm_head over the full vocabulary where read (forward only)."""
+    """Executed training FLOPs per useful token (module docstring; the model is trainer/cost.py's)."""
     from transformers import AutoConfig
 
+    from trainer.cost import step_flops
     from trainer.head import head_config_from_target
 
     c = head_config_from_target(AutoConfig.from_pretrained(target), draft_vocab)
-    h, hd, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    body = 2 * h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * c.intermediate_size + 2 * nq * hd * seq_len / 2
-    fc = 3 * c.target_hidden_size * h
-    draft_head = h * draft_vocab * shares["counted"]
-    return 2 * 3 * (fc + ttt_length * (body + draft_head)) + 2 * h * c.vocab_size * shares["target_rows"]
+    return step_flops(c, ttt_length).per_useful_token(seq_len, shares["counted"], shares["target_rows"])
 
 
 class RayCpu:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +21,7 @@ from pipeline.buckets import length_buckets
 from pipeline.codec import from_bytes
 from pipeline.shards import first_mismatch, read_manifest
 from pipeline.target import TargetSpec
+from trainer.cost import StepFlops
 
 
 def check_manifest(manifest: dict, spec: TargetSpec) -> None:
@@ -64,15 +65,17 @@ ORDER_SEGMENTS = 4
 
 
 def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random.Random,
+                 cost: Callable[[list[int]], float] | None = None,
                  segments: int = ORDER_SEGMENTS) -> list[list[int]]:
     """Pure: indices of a pool grouped by length into padded batches (<= max_tokens, <= max_rows), in a
-    rank-aligned random order. The batches are sorted by padded size (rows x longest row), cut into
-    `segments` runs of equal count, and rng shuffles the runs and flips each one's direction. Every rank
-    draws the same rng for the same pool, so at a given step the ranks hold batches from the same place in
-    their own size order: similar work, so neither waits long for the other at the gradient all-reduce
-    (a full shuffle paired random sizes: 2 demo workers reached 1.3x one, ARCHITECTURE.md §10)."""
+    rank-aligned random order. The batches are sorted by `cost` (default: padded size, rows x longest row),
+    cut into `segments` runs of equal count, and rng shuffles the runs and flips each one's direction.
+    Every rank draws the same rng for the same pool, so at a given step the ranks hold batches from the
+    same place in their own cost order: similar work, so neither waits long for the other at the gradient
+    all-reduce (a full shuffle paired random sizes: 2 demo workers reached 1.3x one, ARCHITECTURE.md §10)."""
     batches = length_buckets(lengths, max_tokens, max_rows)
-    batches.sort(key=lambda b: len(b) * max(lengths[i] for i in b))  # stable: ties keep length order
+    cost = cost or (lambda b: len(b) * max(lengths[i] for i in b))
+    batches.sort(key=cost)  # stable: ties keep length order
     n = len(batches)
     runs = [batches[n * k // segments:n * (k + 1) // segments] for k in range(segments)]
     rng.shuffle(runs)
@@ -82,6 +85,13 @@ def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random
     return out
 
 
+def flops_cost(lengths: list[int], loss_tokens: list[int], flops: StepFlops) -> Callable[[list[int]], float]:
+    """A batch's estimated FLOPs (trainer/cost.py) from its rows' lengths and loss-mask sums: on a
+    SmolLM2-shaped head the vocab-sized work on loss positions outweighs the layer, so padded size alone
+    pairs batches whose work differs by 2x."""
+    return lambda b: flops.batch(len(b), max(lengths[i] for i in b), sum(loss_tokens[i] for i in b))
+
+
 def rows_of(batch: dict) -> list[dict]:
     n = len(batch["id"])
     return [{k: batch[k][i] for k in ("id", "input_ids", "loss_mask", "aux_hidden", "last_hidden")}
@@ -89,8 +99,9 @@ def rows_of(batch: dict) -> list[dict]:
 
 
 def iter_micro_batches(batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
-                       epoch: int) -> Iterator[list[dict]]:
-    """Rows from a Ray Data iterator (numpy batches) -> length-bucketed micro-batches of rows."""
+                       epoch: int, flops: StepFlops | None = None) -> Iterator[list[dict]]:
+    """Rows from a Ray Data iterator (numpy batches) -> length-bucketed micro-batches of rows, ordered by
+    their estimated FLOPs where `flops` is given, else by padded size."""
     buf: list[dict] = []
     pool_idx = 0
 
@@ -98,7 +109,10 @@ def iter_micro_batches(batches: Iterator[dict], max_tokens: int, max_rows: int, 
         nonlocal pool_idx
         rng = random.Random(hash((seed, epoch, pool_idx)) & 0xFFFFFFFF)
         pool_idx += 1
-        for idx in plan_batches([len(r["input_ids"]) for r in rows], max_tokens, max_rows, rng):
+        lengths = [len(r["input_ids"]) for r in rows]
+        loss = [int(np.asarray(r["loss_mask"]).sum()) for r in rows]
+        cost = flops_cost(lengths, loss, flops) if flops else None
+        for idx in plan_batches(lengths, max_tokens, max_rows, rng, cost):
             yield [rows[i] for i in idx]
 
     for b in batches:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import TrainConfig
+from trainer.cost import step_flops
 from trainer.data import collate, iter_micro_batches
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec, cpu_has_native_bf16
@@ -239,7 +240,8 @@ class TrainLoop:
         cfg, st = self.cfg, self.state
         stream = iter_micro_batches(self.shard.iter_batches(batch_size=64, batch_format="numpy"),
                                     cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
-                                    cfg.data.bucket_pool, cfg.data.seed, st["epoch"])
+                                    cfg.data.bucket_pool, cfg.data.seed, st["epoch"],
+                                    step_flops(self.run.hcfg, cfg.model.ttt_length))
         if st["batches_in_epoch"]:  # replay the epoch's order up to where we stopped
             replayed = 0
             for _ in range(st["batches_in_epoch"]):
