@@ -4,10 +4,12 @@ processes take.
 
     python tools/bench_train.py [--shape demo=runs/demo/target,runs/demo/data/capture]
                                 [--shape smollm2=runs/smollm2/target,runs/smollm2/data/capture] [--steps 12]
-                                [--compare-blocked] [--zero-stage 0|1|2|3]
+                                [--epochs 2] [--compare-blocked] [--zero-stage 0|1|2|3]
 
-All runs share one Ray instance and the same data order; each run's first log window (start-up,
-first-touch allocations) is dropped. The peak is a large fp32 GEMM on one thread (a worker's share),
+All runs share one Ray instance and the same data order. The 1- and 2-worker runs train `--epochs` whole
+epochs and are measured over the last one: both then process the same rows, so their ratio compares equal
+work (the median of a few log windows, also reported, compares whatever batches fell in them). The TTT
+sweep runs `--steps` steps and drops its first log window (start-up, first-touch allocations). The peak is a large fp32 GEMM on one thread (a worker's share),
 measured in the same run, alone and in two processes at once (what two workers can get from this box at
 most). FLOPs per token count what the trainer executes for useful tokens: the head's body on every token
 and TTT step, the draft lm_head and loss on the positions a step counts, the target lm_head (forward only)
@@ -114,7 +116,11 @@ class RayCpu:
         return total
 
 
-def measure(base: dict, out: Path, **over) -> dict:
+def measure(base: dict, out: Path, epoch: int | None = None, **over) -> dict:
+    """One training run. Without `epoch`: the median window rate after the first window (start-up). With
+    `epoch`: tokens / seconds over that whole epoch, every step logged (the same rows in every worker
+    count, so 1 vs 2 workers compare equal work: a window's rate moves with its batches' lengths and loss
+    shares, and a few windows of a rank-aligned order hold batches of one size class)."""
     tree = json.loads(json.dumps(base))
     for key, value in over.items():
         node = tree
@@ -124,13 +130,21 @@ def measure(base: dict, out: Path, **over) -> dict:
         node[last] = value
     tree["out_dir"] = str(out)
     run_training(TrainConfig.model_validate(tree))
-    recs = [h for h in json.loads((out / "history.json").read_text()) if "tokens_per_s" in h][1:]
-    return {"tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in recs), 1),
-            "step_s": round(statistics.median(r["step_s"] for r in recs), 4), "windows": len(recs)}
+    recs = [h for h in json.loads((out / "history.json").read_text()) if "tokens_per_s" in h]
+    median = round(statistics.median(r["tokens_per_s"] for r in recs[1:]), 1)
+    res = {"tokens_per_s": median, "step_s": round(statistics.median(r["step_s"] for r in recs[1:]), 4),
+           "windows": len(recs) - 1}
+    if epoch is not None:
+        ep = [r for r in recs if r["epoch"] == epoch]
+        secs = sum(r["step_s"] for r in ep)  # log_every 1: a window is one step
+        res = {"tokens_per_s": round(sum(r["tokens_per_s"] * r["step_s"] for r in ep) / secs, 1),
+               "median_window_tokens_per_s": median, "step_s": round(secs / len(ep), 4), "steps": len(ep),
+               "epoch_s": round(secs, 1)}
+    return res
 
 
 def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path, blocked: bool,
-                zero_stage: int = 2) -> dict:
+                zero_stage: int = 2, epochs: int = 2) -> dict:
     from pipeline.shards import read_manifest
 
     base = {"target": target, "data": {"shards": shards, "max_tokens_per_batch": 2048,
@@ -139,10 +153,13 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
             "log_every": 2, "eval_every": 10 ** 6, "checkpoint_every": 10 ** 6, "export_formats": [],
             "deepspeed": {"zero_stage": zero_stage, "dtype": "fp32"},
             "scaling": {"num_workers": 1, "cpus_per_worker": 1, "threads_per_worker": 1}}
-    one = measure(base, work / "w1")
+    # 1 vs 2 workers: whole epochs, the last one measured (the first holds start-up and first touches)
+    by_epoch = {"max_steps": 10 ** 6, "epochs": epochs, "log_every": 1}
+    one = measure(base, work / "w1", epochs - 1, **by_epoch)
     ray_cpu = RayCpu()
     cpu0, t0 = ray_cpu.sample(), time.perf_counter()
-    two = measure(base, work / "w2", **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
+    two = measure(base, work / "w2", epochs - 1, **by_epoch,
+                  **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
     ray_share = (ray_cpu.sample() - cpu0) / (time.perf_counter() - t0)
     by_ttt = {str(t): one if t == 7 else measure(base, work / f"ttt{t}", **{"model.ttt_length": t}) for t in ttts}
     extra = {}
@@ -163,6 +180,9 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
             "loss_token_share": round(shares7["counted"], 3),
             "tokens_per_s": {"1": one["tokens_per_s"], "2": two["tokens_per_s"]},
             "workers2_vs_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
+            "workers2_vs_1_median_windows": round(two["median_window_tokens_per_s"]
+                                                  / one["median_window_tokens_per_s"], 3),
+            "epoch_s": {"1": one["epoch_s"], "2": two["epoch_s"]},
             "ray_processes_cpu_during_2_workers": round(ray_share, 3),
             "step_s_by_ttt": {k: v["step_s"] for k, v in by_ttt.items()}, **extra}
 
@@ -170,7 +190,9 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", action="append", help=f"NAME=TARGET,SHARDS (repeatable; default {DEFAULT_SHAPE})")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=12, help="steps of each TTT-sweep run")
+    ap.add_argument("--epochs", type=int, default=2,
+                    help="epochs of the 1- and 2-worker runs; the last is measured (same rows in both)")
     ap.add_argument("--ttt", default="1,4,7", help="TTT lengths for the step-time sweep (7 is the main run)")
     ap.add_argument("--compare-blocked", action="store_true",
                     help="also run 1 worker on the blocked TTT attention (model.attention=blocked)")
@@ -189,7 +211,7 @@ def main(argv=None) -> dict:
     ensure_ray()
     with tempfile.TemporaryDirectory() as d:
         per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked,
-                                 args.zero_stage)
+                                 args.zero_stage, args.epochs)
                for name, (t, s) in shapes.items()}
     for r in per.values():
         r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)
@@ -198,7 +220,7 @@ def main(argv=None) -> dict:
               "share_of_peak": {k: v["share_of_peak"] for k, v in per.items()},
               "tokens_per_s": {k: v["tokens_per_s"] for k, v in per.items()},
               "workers2_vs_1": {k: v["workers2_vs_1"] for k, v in per.items()},
-              "shapes": per, "steps_per_run": args.steps, "zero_stage": args.zero_stage,
+              "shapes": per, "steps_per_sweep_run": args.steps, "epochs_1_vs_2": args.epochs, "zero_stage": args.zero_stage,
               "threads_per_worker": 1}
     print(json.dumps(result))
     return result
