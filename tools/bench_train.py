@@ -9,8 +9,9 @@ processes take.
 All runs share one Ray instance and the same data order. The 1- and 2-worker runs train `--epochs` whole
 epochs and are measured over the last one: both then process the same rows, so their ratio compares equal
 work (the median of a few log windows, also reported, compares whatever batches fell in them). The TTT
-sweep runs `--steps` steps and drops its first log window (start-up, first-touch allocations). The peak is a large fp32 GEMM on one thread (a worker's share),
-measured in the same run, alone and in two processes at once (what two workers can get from this box at
+sweep runs `--steps` steps and drops its first log window (start-up, first-touch allocations); its TTT 7
+entry is the 1-worker run. The peak is a large fp32 GEMM on one thread (a worker's share), measured in the
+same run, alone and in two processes at once (what two workers can get from this box at
 most). FLOPs per token count what the trainer executes for useful tokens: the head's body on every token
 and TTT step, the draft lm_head and loss on the positions a step counts, the target lm_head (forward only)
 where a step reads it, x 3 for forward + backward on the head; padding is not counted, so it shows as a
