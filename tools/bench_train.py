@@ -145,11 +145,12 @@ def measure(base: dict, out: Path, epoch: int | None = None, **over) -> dict:
 
 
 def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path, blocked: bool,
-                zero_stage: int = 2, epochs: int = 2) -> dict:
+                zero_stage: int = 2, epochs: int = 2, cache_mb: int | None = None) -> dict:
     from pipeline.shards import read_manifest
 
     base = {"target": target, "data": {"shards": shards, "max_tokens_per_batch": 2048,
-                                       "max_rows_per_batch": 16, "val_rows": 0},
+                                       "max_rows_per_batch": 16, "val_rows": 0,
+                                       **({} if cache_mb is None else {"cache_mb": cache_mb})},
             "model": {"ttt_length": 7}, "optim": {"lr": 1e-3}, "max_steps": steps, "epochs": 50,
             "log_every": 2, "eval_every": 10 ** 6, "checkpoint_every": 10 ** 6, "export_formats": [],
             "deepspeed": {"zero_stage": zero_stage, "dtype": "fp32"},
@@ -198,6 +199,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--compare-blocked", action="store_true",
                     help="also run 1 worker on the blocked TTT attention (model.attention=blocked)")
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
+    ap.add_argument("--cache-mb", type=int, default=None,
+                    help="data.cache_mb of every run (default: the trainer's; 0 streams every epoch again)")
     args = ap.parse_args(argv)
     shapes = {}
     for spec in args.shape or [DEFAULT_SHAPE]:
@@ -212,7 +215,7 @@ def main(argv=None) -> dict:
     ensure_ray()
     with tempfile.TemporaryDirectory() as d:
         per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked,
-                                 args.zero_stage, args.epochs)
+                                 args.zero_stage, args.epochs, args.cache_mb)
                for name, (t, s) in shapes.items()}
     for r in per.values():
         r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)
@@ -222,6 +225,7 @@ def main(argv=None) -> dict:
               "tokens_per_s": {k: v["tokens_per_s"] for k, v in per.items()},
               "workers2_vs_1": {k: v["workers2_vs_1"] for k, v in per.items()},
               "shapes": per, "steps_per_sweep_run": args.steps, "epochs_1_vs_2": args.epochs, "zero_stage": args.zero_stage,
+              "cache_mb": args.cache_mb,
               "threads_per_worker": 1}
     print(json.dumps(result))
     return result

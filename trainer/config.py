@@ -19,6 +19,8 @@ class Data(StrictModel):
     val_rows: int = Field(32, ge=0)           # held out (the last rows of the run) for eval metrics
     stream_buffer_mb: int | None = Field(None, gt=0)  # stream / hybrid: object-store budget of the data in
     #                                                   flight; capture waits for the trainer past it
+    cache_mb: int = Field(2048, ge=0)         # per worker: an epoch's rows kept in memory and replayed by
+    #                                           later epochs when they fit (shards only; 0: stream every epoch)
     seed: int = 0
 
     @model_validator(mode="after")

@@ -1,15 +1,15 @@
 """Training data: the pipeline's shards through Ray Data, checked against the target, bucketed by length.
 
 Each worker streams its split of the rows, gathers a pool of `bucket_pool` rows, sorts the pool by
-length into padded micro-batches under a token budget, and orders those batches with a seed derived
-from (seed, epoch, pool), the same on every rank (`plan_batches`): the order is a pure function of the
-stream, so a resumed run replays it exactly.
+length into as many cost-balanced micro-batches as every rank agrees on (`MicroBatches`), and orders
+those batches with a seed derived from (seed, epoch, pool), the same on every rank (`plan_batches`):
+the order is a pure function of the stream, so a resumed run replays it exactly.
 """
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -17,10 +17,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.buckets import length_buckets
 from pipeline.codec import from_bytes
 from pipeline.shards import first_mismatch, read_manifest
 from pipeline.target import TargetSpec
+from trainer.batching import flops_cost, min_batches, padded_cost, plan_batches, balance_swaps
 from trainer.cost import StepFlops
 
 
@@ -61,67 +61,118 @@ def drop_ids(batch: pa.Table, ids: list[str]) -> pa.Table:
     return batch.filter(pc.invert(pc.is_in(batch["id"], value_set=pa.array(ids, pa.string()))))
 
 
-ORDER_SEGMENTS = 4
-
-
-def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random.Random,
-                 cost: Callable[[list[int]], float] | None = None,
-                 segments: int = ORDER_SEGMENTS) -> list[list[int]]:
-    """Pure: indices of a pool grouped by length into padded batches (<= max_tokens, <= max_rows), in a
-    rank-aligned random order. The batches are sorted by `cost` (default: padded size, rows x longest row),
-    cut into `segments` runs of equal count, and rng shuffles the runs and flips each one's direction.
-    Every rank draws the same rng for the same pool, so at a given step the ranks hold batches from the
-    same place in their own cost order: similar work, so neither waits long for the other at the gradient
-    all-reduce (a full shuffle paired random sizes: 2 demo workers reached 1.3x one, ARCHITECTURE.md §10)."""
-    batches = length_buckets(lengths, max_tokens, max_rows)
-    cost = cost or (lambda b: len(b) * max(lengths[i] for i in b))
-    batches.sort(key=cost)  # stable: ties keep length order
-    n = len(batches)
-    runs = [batches[n * k // segments:n * (k + 1) // segments] for k in range(segments)]
-    rng.shuffle(runs)
-    out = []
-    for run in runs:
-        out += run[::-1] if rng.random() < 0.5 else run
-    return out
-
-
-def flops_cost(lengths: list[int], loss_tokens: list[int], flops: StepFlops) -> Callable[[list[int]], float]:
-    """A batch's estimated FLOPs (trainer/cost.py) from its rows' lengths and loss-mask sums: on a
-    SmolLM2-shaped head the vocab-sized work on loss positions outweighs the layer, so padded size alone
-    pairs batches whose work differs by 2x."""
-    return lambda b: flops.batch(len(b), max(lengths[i] for i in b), sum(loss_tokens[i] for i in b))
-
-
 def rows_of(batch: dict) -> list[dict]:
     n = len(batch["id"])
     return [{k: batch[k][i] for k in ("id", "input_ids", "loss_mask", "aux_hidden", "last_hidden")}
             for i in range(n)]
 
 
-def iter_micro_batches(batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
-                       epoch: int, flops: StepFlops | None = None) -> Iterator[list[dict]]:
-    """Rows from a Ray Data iterator (numpy batches) -> length-bucketed micro-batches of rows, ordered by
-    their estimated FLOPs where `flops` is given, else by padded size."""
-    buf: list[dict] = []
-    pool_idx = 0
+class Alone:
+    """The peers of a single worker: its own answers (the trainer's `RankPeers` is the process group)."""
+    rank, world = 0, 1
 
-    def flush(rows):
-        nonlocal pool_idx
-        rng = random.Random(hash((seed, epoch, pool_idx)) & 0xFFFFFFFF)
-        pool_idx += 1
-        lengths = [len(r["input_ids"]) for r in rows]
-        loss = [int(np.asarray(r["loss_mask"]).sum()) for r in rows]
-        cost = flops_cost(lengths, loss, flops) if flops else None
-        for idx in plan_batches(lengths, max_tokens, max_rows, rng, cost):
-            yield [rows[i] for i in idx]
+    def agree(self, dry: bool, need: int) -> tuple[bool, int]:
+        return dry, need
 
-    for b in batches:
-        buf += rows_of(b)
-        while len(buf) >= pool:
-            yield from flush(buf[:pool])
-            buf = buf[pool:]
-    if buf:
-        yield from flush(buf)
+    def gather(self, obj) -> list:
+        return [obj]
+
+
+class MicroBatches:
+    """One rank's micro-batches for an epoch: rows from a Ray Data iterator (numpy batches) gathered into
+    pools of `pool` rows; each pool's work evened out across ranks, then planned (`plan_batches`) into
+    the number of batches every rank agrees on, balanced by estimated FLOPs (`flops`) or padded size.
+
+    A step makes one collective, `peers.agree` (an all-reduce MAX): whether any rank ran dry, whether the
+    ranks start new pools. Ray Data's equal split gives every rank the same number of rows, not the same
+    work (on 180 SmolLM2 rows one rank had 10% more FLOPs), so at a new pool the ranks gather each row's
+    cost, trade the rows `balance_swaps` picks (moved through `peers.gather`), and all plan the most
+    batches any pool needs. The epoch ends when any rank is dry."""
+
+    def __init__(self, batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
+                 epoch: int, flops: StepFlops | None = None, peers=None):
+        self.batches, self.pool, self.seed, self.epoch = batches, pool, seed, epoch
+        self.peers = peers or Alone()
+        self.max_tokens, self.max_rows = max_tokens, max_rows
+        self.cost = flops_cost(flops) if flops else padded_cost
+        self.buf: list[dict] = []
+        self.queue: list[list[dict]] = []
+        self.pools = 0
+
+    def _gather(self) -> list[dict]:
+        while len(self.buf) < self.pool:
+            b = next(self.batches, None)
+            if b is None:
+                break
+            self.buf += rows_of(b)
+        rows, self.buf = self.buf[:self.pool], self.buf[self.pool:]
+        return rows
+
+    def _balance(self, rows: list[dict]) -> list[dict]:
+        """This rank's pool after the trades that even out the ranks' costs (the same on every rank)."""
+        if self.peers.world == 1:
+            return rows
+        me = self.peers.rank
+        costs = [self.cost(1, len(r["input_ids"]), loss_tokens(r)) for r in rows]
+        place = balance_swaps(self.peers.gather(costs), max(1, len(rows) // 8))
+        leaving = {k: rows[k] for r, held in enumerate(place) if r != me for src, k in held if src == me}
+        arrived = self.peers.gather(leaving)
+        return [rows[k] if src == me else arrived[src][k] for src, k in place[me]]
+
+    def next_batch(self) -> list[dict] | None:
+        rows = self._gather() if not self.queue else []
+        any_dry, new_pool = self.peers.agree(not self.queue and not rows, int(bool(rows)))
+        if any_dry:
+            return None
+        if new_pool:
+            if self.queue:
+                raise RuntimeError(f"rank out of step: another rank starts pool {self.pools} of epoch "
+                                   f"{self.epoch} while this one has {len(self.queue)} batches left")
+            rows = self._balance(rows)
+            lengths, loss = [len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]
+            _, count = self.peers.agree(False, min_batches(lengths, self.max_tokens, self.max_rows))
+            rng = random.Random(hash((self.seed, self.epoch, self.pools)) & 0xFFFFFFFF)
+            self.pools += 1
+            plan = plan_batches(lengths, self.max_tokens, self.max_rows, rng, loss, self.cost, count)
+            self.queue = [[rows[i] for i in idx] for idx in plan]
+        return self.queue.pop(0)
+
+
+def loss_tokens(row: dict) -> int:
+    return int(np.asarray(row["loss_mask"]).sum())
+
+
+class EpochCache:
+    """A rank's rows of an epoch, as Ray Data gave them, kept in memory under a byte budget so later epochs
+    replay them instead of streaming the split again: a new epoch of the split re-reads and re-decodes
+    every shard, and on a 2-core box its first pool arrives seconds after the last step (ARCHITECTURE.md
+    §10). Only complete epochs within the budget are replayed, in the order they came."""
+
+    def __init__(self, budget_mb: int):
+        self.budget = budget_mb * 2 ** 20
+        self.batches: list[dict] = []
+        self.complete = False
+
+    def record(self, batches: Iterator[dict]) -> Iterator[dict]:
+        self.batches, self.complete, size = [], False, 0
+        for b in batches:
+            if size <= self.budget:
+                size += batch_bytes(b)
+                if size <= self.budget:
+                    self.batches.append(b)
+                else:
+                    self.batches = []
+            yield b
+        self.complete = 0 < size <= self.budget
+
+    def replay(self) -> Iterator[dict]:
+        return iter(self.batches)
+
+
+def batch_bytes(batch: dict) -> int:
+    """Bytes a numpy batch of shard rows holds: hidden states, ids and masks."""
+    return sum(len(x) for k in ("aux_hidden", "last_hidden") for x in batch[k]) + sum(
+        np.asarray(x).nbytes for k in ("input_ids", "loss_mask") for x in batch[k])
 
 
 def collate(rows: list[dict], dtype: str, target_hidden: int) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from pipeline.progress import progress_bar
 from pipeline.target import TargetSpec
 from pipeline.vocab import load_draft_vocab
 from trainer.config import TrainConfig
-from trainer.data import check_manifest, plan_batches
+from trainer.data import check_manifest, min_batches
 from trainer.sources import training_data
 from trainer.export import FORMATS, check_exportable, convert_head
 
@@ -28,16 +28,14 @@ def estimate_total_steps(cfg: TrainConfig, files: list[str], held_out: set[str])
     """Optimizer steps for the LR schedule: the bucketing plan replayed on the shards' lengths."""
     if cfg.max_steps:
         return cfg.max_steps
-    import random
-
     lengths = []
     for f in files:
         t = pq.read_table(f, columns=["id", "input_ids"])
         lengths += [len(x) for rid, x in zip(t["id"].to_pylist(), t["input_ids"].to_pylist()) if rid not in held_out]
     per_worker = math.ceil(len(lengths) / cfg.scaling.num_workers)
     pool = cfg.data.bucket_pool
-    batches = sum(len(plan_batches(lengths[i:min(i + pool, per_worker)], cfg.data.max_tokens_per_batch,
-                                   cfg.data.max_rows_per_batch, random.Random(0))) for i in range(0, per_worker, pool))
+    batches = sum(min_batches(lengths[i:min(i + pool, per_worker)], cfg.data.max_tokens_per_batch,
+                              cfg.data.max_rows_per_batch) for i in range(0, per_worker, pool))
     return max(1, cfg.epochs * batches // cfg.optim.grad_accum)
 
 
@@ -105,7 +103,8 @@ def run_training(cfg: TrainConfig) -> dict:
     t0 = time.time()
     with progress_bar("train", total, train_progress(out_dir), unit="step"):
         for phase in data.phases:
-            fit(cfg, phase.dataset(), dict(loop_config, stop_epoch=phase.stop_epoch), phase.live)
+            fit(cfg, phase.dataset(), dict(loop_config, stop_epoch=phase.stop_epoch, cache_rows=not phase.live),
+                phase.live)
             if phase.after:
                 phase.after()
     return finish(cfg, data.signature, spec, time.time() - t0)

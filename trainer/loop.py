@@ -17,7 +17,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.cost import step_flops
-from trainer.data import collate, iter_micro_batches
+from trainer.data import Alone, EpochCache, MicroBatches, collate
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec, cpu_has_native_bf16
 from trainer.head import Eagle3Head, head_config_from_target
@@ -191,6 +191,28 @@ class RowTally:
         return {"rows": int(t[0]), "ids_hash": int(t[1])}
 
 
+class RankPeers:
+    """The ranks of the process group as MicroBatches' peers (trainer/data.py)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def agree(self, dry: bool, need: int) -> tuple[bool, int]:
+        """Any rank dry, the largest `need`: one all-reduce MAX."""
+        import torch.distributed as dist
+
+        t = torch.tensor([int(dry), need], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0]), int(t[1])
+
+    def gather(self, obj) -> list:
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
 def id_hash(row_id) -> int:
     """40 bits of the id's SHA-1: sums of a million rows stay far inside int64."""
     import hashlib
@@ -214,6 +236,7 @@ class TrainLoop:
         self.val = ray.get(config["val"]).to_pylist()
         self.last_epoch = min(cfg.epochs, config.get("stop_epoch") or cfg.epochs)  # hybrid: the streamed epoch
         self.seen = RowTally()
+        self.cache = EpochCache(cfg.data.cache_mb if config.get("cache_rows", True) else 0)
         self.state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
         ckpt = ray.train.get_checkpoint()
         if ckpt:
@@ -236,16 +259,28 @@ class TrainLoop:
                 (Path(d) / STATE_FILE).write_text(json.dumps(self.state))
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
-    def micro_batches(self):
+    def epoch_rows(self):
+        """This epoch's numpy batches: replayed from the cache when every rank holds a complete one, else
+        the split streamed again (and recorded)."""
+        import torch.distributed as dist
+
+        cached = torch.tensor(int(self.cache.complete))
+        if self.run.world > 1:
+            dist.all_reduce(cached, op=dist.ReduceOp.MIN)
+        if cached.item():
+            return self.cache.replay()
+        return self.cache.record(self.shard.iter_batches(batch_size=64, batch_format="numpy"))
+
+    def micro_batches(self) -> MicroBatches:
         cfg, st = self.cfg, self.state
-        stream = iter_micro_batches(self.shard.iter_batches(batch_size=64, batch_format="numpy"),
-                                    cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
-                                    cfg.data.bucket_pool, cfg.data.seed, st["epoch"],
-                                    step_flops(self.run.hcfg, cfg.model.ttt_length))
+        stream = MicroBatches(self.epoch_rows(), cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
+                              cfg.data.bucket_pool, cfg.data.seed, st["epoch"],
+                              step_flops(self.run.hcfg, cfg.model.ttt_length),
+                              RankPeers(self.run.rank, self.run.world) if self.run.world > 1 else Alone())
         if st["batches_in_epoch"]:  # replay the epoch's order up to where we stopped
             replayed = 0
             for _ in range(st["batches_in_epoch"]):
-                rows = next(stream, None) or []
+                rows = stream.next_batch() or []
                 self.seen.add(rows)
                 replayed += len(rows)
             if self.run.rank == 0:
@@ -305,19 +340,19 @@ class TrainLoop:
         return step >= self.stop_at
 
     def run_epoch(self) -> bool:
-        """One epoch (or its rest after a resume); True when the run is done."""
+        """One epoch (or its rest after a resume); True when the run is done. Every rank takes the same
+        number of steps: the epoch stops when any rank runs dry (MicroBatches)."""
         self.seen = RowTally()
         stream = self.micro_batches()
         while True:
-            rows = next(stream, None)
-            # Every rank must take the same number of steps: stop the epoch when any rank runs dry.
-            if self.run.all_sum(torch.tensor(0.0 if rows is None else 1.0)).item() < self.run.world:
+            rows = stream.next_batch()
+            if rows is None:
                 self.state["history"].append({"epoch_end": self.state["epoch"], **self.seen.total(self.run)})
                 return False
             self.train_micro_batch(rows)
             if self.state["batches_in_epoch"] % self.cfg.optim.grad_accum == 0 and self.after_step():
                 # The last step may also end the epoch: record its tally when nothing is left on any rank.
-                if self.run.all_sum(torch.tensor(0.0 if next(stream, None) is None else 1.0)).item() == 0:
+                if stream.next_batch() is None:
                     self.state["history"].append({"epoch_end": self.state["epoch"], **self.seen.total(self.run)})
                 return True
 
@@ -333,6 +368,8 @@ class TrainLoop:
                 st["batches_in_epoch"] = 0
         if not self.val:  # nothing to choose by: the final head is the best one
             self.run.save_best({"step": st["global_step"], "note": "no validation rows; final weights"})
+        elif not any(h.get("step") == st["global_step"] and "sim_tau" in h for h in st["history"]):
+            self.evaluate(st["global_step"])  # the epochs ran out before max_steps: judge the final weights
         if st["global_step"] % self.cfg.checkpoint_every and st["global_step"] != self.stop_at:
             self.checkpoint({"step": st["global_step"], "best_tau": st["best_tau"]})
         if self.writer:

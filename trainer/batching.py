@@ -1,0 +1,138 @@
+"""Micro-batch planning as pure functions: rows of a pool grouped by length into cost-balanced padded
+batches, their rank-aligned order, and the row swaps that give every rank's pool the same work
+(docs/ARCHITECTURE.md §10). `trainer/data.py` runs them on the rows each rank streams.
+"""
+from __future__ import annotations
+
+import bisect
+import random
+from typing import Callable
+
+from pipeline.buckets import length_buckets
+from trainer.cost import StepFlops
+
+ORDER_SEGMENTS = 4
+
+GroupCost = Callable[[int, int, int], float]  # (rows, longest row, loss tokens) -> estimated work
+
+
+def padded_cost(rows: int, longest: int, _loss_tokens: int) -> float:
+    return float(rows * longest)
+
+
+def flops_cost(flops: StepFlops) -> GroupCost:
+    """A batch's estimated FLOPs (trainer/cost.py): on a SmolLM2-shaped head the vocab-sized work on loss
+    positions outweighs the layer, so padded size alone pairs batches whose work differs by 2x."""
+    return flops.batch
+
+
+def min_batches(lengths: list[int], max_tokens: int, max_rows: int) -> int:
+    """The fewest batches a pool fits in under the token and row budgets (greedy over sorted lengths is
+    optimal for contiguous groups)."""
+    return len(length_buckets(lengths, max_tokens, max_rows))
+
+
+def balanced_groups(lengths: list[int], loss_tokens: list[int], count: int, max_tokens: int, max_rows: int,
+                    cost: GroupCost = padded_cost) -> list[list[int]]:
+    """Pure: exactly `count` batches of a pool (min_batches <= count <= rows), each a run of the rows sorted
+    by length (ties by index) within the budgets, with the costliest batch as cheap as such runs allow:
+    a bisection on the cost cap, then the costliest batches split until there are `count`."""
+    n = len(lengths)
+    if not min_batches(lengths, max_tokens, max_rows) <= count <= n:
+        raise ValueError(f"cannot plan {n} rows into {count} batches (need {min_batches(lengths, max_tokens, max_rows)}"
+                         f" to {n}): the ranks' splits hold unequal rows")
+    order = sorted(range(n), key=lambda i: (lengths[i], i))
+    prefix = [0]
+    for i in order:
+        prefix.append(prefix[-1] + loss_tokens[i])
+
+    def run_cost(a: int, b: int) -> float:  # rows order[a:b]; the longest is the last
+        return cost(b - a, lengths[order[b - 1]], prefix[b] - prefix[a])
+
+    def fits(a: int, b: int, cap: float) -> bool:
+        return b - a <= max_rows and (b - a) * lengths[order[b - 1]] <= max_tokens and run_cost(a, b) <= cap
+
+    def greedy(cap: float) -> list[tuple[int, int]]:
+        runs, a = [], 0
+        while a < n:
+            b = a + 1
+            while b < n and fits(a, b + 1, cap):
+                b += 1
+            runs.append((a, b))
+            a = b
+        return runs
+
+    lo, hi = max(run_cost(i, i + 1) for i in range(n)), run_cost(0, n)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if len(greedy(mid)) <= count else (mid, hi)
+    runs = greedy(hi)
+    while len(runs) < count:  # split the costliest run of 2+ rows where its halves' larger cost is least
+        a, b = max((r for r in runs if r[1] - r[0] > 1), key=lambda r: run_cost(*r))
+        cut = min(range(a + 1, b), key=lambda c: max(run_cost(a, c), run_cost(c, b)))
+        i = runs.index((a, b))
+        runs[i:i + 1] = [(a, cut), (cut, b)]
+    return [order[a:b] for a, b in runs]
+
+
+def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random.Random,
+                 loss_tokens: list[int] | None = None, cost: GroupCost | None = None, count: int | None = None,
+                 segments: int = ORDER_SEGMENTS) -> list[list[int]]:
+    """Pure: indices of a pool grouped by length into `count` batches (default: the fewest that fit) of
+    balanced `cost` (`balanced_groups`), in a rank-aligned random order. The batches are sorted by cost,
+    cut into `segments` runs of equal count, and rng shuffles the runs and flips each one's direction.
+    Every rank plans the same count and draws the same rng for the same pool, so at a given step the ranks
+    hold batches from the same place in their own cost order: similar work, so neither waits long for the
+    other at the gradient all-reduce (ARCHITECTURE.md §10)."""
+    loss_tokens = loss_tokens if loss_tokens is not None else [0] * len(lengths)
+    cost = cost or padded_cost
+    count = count or min_batches(lengths, max_tokens, max_rows)
+    batches = balanced_groups(lengths, loss_tokens, count, max_tokens, max_rows, cost)
+
+    def batch_cost(b):
+        return cost(len(b), max(lengths[i] for i in b), sum(loss_tokens[i] for i in b))
+    batches.sort(key=batch_cost)  # stable: ties keep length order
+    n = len(batches)
+    runs = [batches[n * k // segments:n * (k + 1) // segments] for k in range(segments)]
+    rng.shuffle(runs)
+    out = []
+    for run in runs:
+        out += run[::-1] if rng.random() < 0.5 else run
+    return out
+
+
+def balance_swaps(costs: list[list[float]], max_swaps: int, tolerance: float = 1e-3) -> list[list[tuple[int, int]]]:
+    """Pure: rows traded between ranks so that each rank's pool sums to the same cost, row counts kept.
+    Repeatedly the heaviest and the lightest rank trade the pair of rows whose cost difference is nearest
+    half their gap (a trade only ever narrows it), until the gap is within `tolerance` of a rank's mean
+    total or `max_swaps` trades are made. Returns the placement: placement[r][k] = (rank, index) in the
+    input of the row rank r holds at position k."""
+    held = [list(c) for c in costs]
+    place = [[(r, k) for k in range(len(c))] for r, c in enumerate(costs)]
+    mean = sum(map(sum, held)) / max(1, len(held))
+    for _ in range(max_swaps):
+        totals = [sum(h) for h in held]
+        hi = max(range(len(held)), key=totals.__getitem__)
+        lo = min(range(len(held)), key=totals.__getitem__)
+        gap = totals[hi] - totals[lo]
+        trade = best_trade(held[hi], held[lo], gap) if gap > tolerance * mean else None
+        if trade is None:
+            break
+        i, j = trade
+        held[hi][i], held[lo][j] = held[lo][j], held[hi][i]
+        place[hi][i], place[lo][j] = place[lo][j], place[hi][i]
+    return place
+
+
+def best_trade(heavy: list[float], light: list[float], gap: float) -> tuple[int, int] | None:
+    """Pure: (i, j) whose trade leaves the smallest gap |gap - 2 (heavy[i] - light[j])|, or None when no
+    trade narrows it."""
+    order = sorted(range(len(light)), key=light.__getitem__)
+    values = [light[j] for j in order]
+    best, left = None, gap
+    for i, a in enumerate(heavy):
+        at = bisect.bisect_left(values, a - gap / 2)
+        for q in (at - 1, at):
+            if 0 <= q < len(values) and abs(gap - 2 * (a - values[q])) < left:
+                best, left = (i, order[q]), abs(gap - 2 * (a - values[q]))
+    return best
