@@ -292,12 +292,15 @@ class TrainLoop:
     def train_micro_batch(self, rows: list[dict]) -> None:
         run, st = self.run, self.state
         out, ntok = run.forward(rows)
+        run.engine.backward(out["loss"])
+        # Checked after backward, whose gradient all-reduce has just lined the ranks up (a sync between
+        # forward and backward made the ranks wait for each other twice a step); step() has not run, so
+        # a non-finite loss on any rank leaves the weights of the last step.
         bad = run.all_sum(torch.tensor(float(not torch.isfinite(out["loss"]).item()))).item()
         if bad:
             raise FloatingPointError(
                 f"non-finite loss at step {st['global_step']} (epoch {st['epoch']}); training stopped, "
                 f"the last good checkpoint is the latest one reported before this step")
-        run.engine.backward(out["loss"])
         run.engine.step()
         st["batches_in_epoch"] += 1
         self.seen.add(rows)
