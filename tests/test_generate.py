@@ -124,7 +124,7 @@ def test_kv_after_second_branch_equals_fresh_forward(tiny_target, lean):
 
 @pytest.mark.slow
 def test_sampling_matches_target_distribution(tmp_path, tiny_target):
-    """vocab 48 target, T=0.8, top_p=0.9: 20k speculative draws of the next 3 tokens vs the exact
+    """vocab 48 target, T=0.8, top_p=0.9: 12k speculative draws of the next 3 tokens vs the exact
     joint distribution under the same warpers (chi-square over cells with expected count >= 5)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -143,7 +143,7 @@ def test_sampling_matches_target_distribution(tmp_path, tiny_target):
                      top_p=0.9, seed=123)
     counts, accepted = collections.Counter(), 0
     g = torch.Generator().manual_seed(123)
-    n = 20000
+    n = 12000  # 20k took 240 s of the suite on a 2-core EPYC; 12k still fills >= 10 cells
     for i in range(n):
         gen_out = gen.generate(prompt, SpecSettings(**{**s.__dict__, "seed": int(torch.randint(0, 2**62, (1,), generator=g))}))
         counts[tuple(gen_out.tokens)] += 1
