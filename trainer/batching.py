@@ -37,10 +37,10 @@ def balanced_groups(lengths: list[int], loss_tokens: list[int], count: int, max_
     """Pure: exactly `count` batches of a pool (min_batches <= count <= rows), each a run of the rows sorted
     by length (ties by index) within the budgets, with the costliest batch as cheap as such runs allow:
     a bisection on the cost cap, then the costliest batches split until there are `count`."""
-    n = len(lengths)
-    if not min_batches(lengths, max_tokens, max_rows) <= count <= n:
-        raise ValueError(f"cannot plan {n} rows into {count} batches (need {min_batches(lengths, max_tokens, max_rows)}"
-                         f" to {n}): the ranks' splits hold unequal rows")
+    n, fewest = len(lengths), min_batches(lengths, max_tokens, max_rows)
+    if not fewest <= count <= n:
+        raise ValueError(f"cannot plan {n} rows into {count} batches (need {fewest} to {n}): the ranks' "
+                         f"splits hold unequal rows")
     order = sorted(range(n), key=lambda i: (lengths[i], i))
     prefix = [0]
     for i in order:
