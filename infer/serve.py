@@ -31,6 +31,9 @@ class VllmServe(VllmEngine):
     """Options of the `vllm` backend only (Ray Serve LLM running vLLM): the engine options regeneration
     uses (`max_num_seqs` is the continuous batching width) plus the ingress."""
     ingress_num_cpus: float = Field(0, ge=0)       # the OpenAI ingress actor (needs none on CPU boxes)
+    # vLLM's dynamic speculative decoding: with more running sequences than this it drafts nothing, where
+    # continuous batching already fills the machine and verifying drafts costs throughput. None: always.
+    draft_up_to_batch: int | None = Field(None, gt=0)
 
 
 class ServeConfig(StrictModel):

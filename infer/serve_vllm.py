@@ -13,9 +13,12 @@ import json
 from pathlib import Path
 
 
-def speculative_config(head: Path | None, depth: int) -> dict | None:
+def speculative_config(head: Path | None, depth: int, up_to_batch: int | None = None,
+                       max_num_seqs: int = 1) -> dict | None:
     """vLLM's EAGLE-3 settings for an exported head: a chain of `depth` draft tokens (vLLM drafts chains;
-    `method` must be given, vLLM only guesses it from a path containing 'eagle3')."""
+    `method` must be given, vLLM only guesses it from a path containing 'eagle3'). `up_to_batch`: vLLM's
+    batch-size schedule drafts `depth` tokens up to that many running sequences and none above
+    (`num_speculative_tokens_per_batch_size`, inclusive ranges from 1)."""
     if head is None:
         return None
     head = Path(head)
@@ -23,7 +26,11 @@ def speculative_config(head: Path | None, depth: int) -> dict | None:
         raise ValueError(f"head: {head} has no config.json (an exported head folder: head_sglang/ or "
                          f"head_speculators/)")
     json.loads((head / "config.json").read_text())  # unreadable config: fail here, not in the engine
-    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": int(depth)}
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": int(depth)}
+    if up_to_batch is not None and up_to_batch < max_num_seqs:
+        spec["num_speculative_tokens_per_batch_size"] = [[1, up_to_batch, int(depth)],
+                                                         [up_to_batch + 1, max_num_seqs, 0]]
+    return spec
 
 
 def llm_config(cfg) -> "object":
@@ -33,7 +40,8 @@ def llm_config(cfg) -> "object":
     v = cfg.vllm
     engine = {"dtype": v.engine_dtype(cfg.num_gpus_per_replica > 0), "enforce_eager": v.enforce_eager,
               "max_num_seqs": v.max_num_seqs, "seed": 0,
-              "speculative_config": speculative_config(cfg.head, cfg.speculative.depth)}
+              "speculative_config": speculative_config(cfg.head, cfg.speculative.depth, v.draft_up_to_batch,
+                                                       v.max_num_seqs)}
     if v.max_model_len:
         engine["max_model_len"] = v.max_model_len
     bundle = {"CPU": max(1.0, cfg.num_cpus_per_replica)}

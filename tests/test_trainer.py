@@ -30,13 +30,16 @@ def train_losses(out: Path) -> list[list[float]]:
     return [h["loss"] for h in json.loads((out / "history.json").read_text()) if "loss" in h]
 
 
-@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")])
-def test_zero_stages_train_on_two_workers(stage, dtype, tmp_path, ray_cluster, pipeline_run, tiny_target):
-    """bf16 also runs the loop's check that the head's RoPE inv_freq stayed fp32 under DeepSpeed."""
+@pytest.mark.parametrize("stage,dtype,balance", [(1, "fp32", "steps"), (2, "fp32", "steps"), (3, "fp32", "pools"),
+                                                 (2, "bf16", "steps")])
+def test_zero_stages_train_on_two_workers(stage, dtype, balance, tmp_path, ray_cluster, pipeline_run, tiny_target):
+    """bf16 also runs the loop's check that the head's RoPE inv_freq stayed fp32 under DeepSpeed; ZeRO-3 runs
+    the other data.balance (rows traded per pool, each rank planning its own)."""
     from trainer.driver import run_training
 
     report = run_training(train_cfg(tmp_path, pipeline_run, tiny_target, max_steps=10, epochs=5,
-                                    **{"deepspeed.zero_stage": stage, "deepspeed.dtype": dtype, "optim.lr": 5e-3}))
+                                    **{"deepspeed.zero_stage": stage, "deepspeed.dtype": dtype, "optim.lr": 5e-3,
+                                       "data.balance": balance}))
     assert len(train_losses(tmp_path / "out")) == 10
     evals = [h for h in json.loads((tmp_path / "out/history.json").read_text()) if "val_loss" in h]
     assert [e["step"] for e in evals] == [0, 3, 6, 9, 10]
@@ -199,10 +202,54 @@ def test_balance_swaps_even_out_the_ranks_work():
     assert balance_swaps(same, 5) == [[(0, 0), (0, 1), (0, 2)], [(1, 0), (1, 1), (1, 2)]]
 
 
+def test_pools_planned_together_match_each_steps_work():
+    """plan_steps: the ranks' pools planned as one give every rank the same number of batches, each row
+    exactly once within the budgets, and at every step batches whose estimated work differs less than the
+    per-rank plans of traded pools (the "pools" balance), so the epoch is shorter; the plan is a pure
+    function of its inputs."""
+    import random
+
+    from trainer.batching import balance_swaps, flops_cost, min_batches, plan_batches, plan_steps
+    from trainer.cost import step_flops
+    from trainer.head import HeadConfig
+
+    cost = flops_cost(step_flops(HeadConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                                            num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                                            draft_vocab_size=8192, target_hidden_size=576), 7))
+    gen = random.Random(3)
+    for world in (2, 3):
+        lengths = [[gen.choice([gen.randint(20, 150), gen.randint(150, 900)]) for _ in range(90)] for _ in range(world)]
+        loss = [[int(n * gen.uniform(0.1, 0.9)) for n in p] for p in lengths]
+
+        def step_costs(batches):  # batches[r][step] -> [(source rank, index)]
+            return [[cost(len(b), max(lengths[s][k] for s, k in b), sum(loss[s][k] for s, k in b)) for b in bs]
+                    for bs in batches]
+
+        plan = plan_steps(lengths, loss, 2048, 16, random.Random(5), cost)
+        assert plan == plan_steps(lengths, loss, 2048, 16, random.Random(5), cost)
+        assert len({len(p) for p in plan}) == 1
+        assert sorted(x for p in plan for b in p for x in b) == [(r, k) for r in range(world) for k in range(90)]
+        assert all(len(b) <= 16 and len(b) * max(lengths[s][k] for s, k in b) <= 2048 for p in plan for b in p)
+        joint = step_costs(plan)
+        # the "pools" balance on the same rows: trades, then every rank plans the agreed count
+        place = balance_swaps([[cost(1, n, t) for n, t in zip(a, b)] for a, b in zip(lengths, loss)], 11)
+        count = max(min_batches([lengths[s][k] for s, k in held], 2048, 16) for held in place)
+        alone = []
+        for held in place:
+            lens, lt = [lengths[s][k] for s, k in held], [loss[s][k] for s, k in held]
+            alone.append([[held[i] for i in b] for b in plan_batches(lens, 2048, 16, random.Random(5), lt, cost, count)])
+        waits = [sum(max(c) - min(c) for c in zip(*step_costs(p))) / sum(map(sum, step_costs(p)))
+                 for p in (plan, alone)]
+        assert waits[0] < 0.7 * waits[1], waits  # 1.1% vs 2.6% of the work (2 ranks), 1.5% vs 2.5% (3)
+        # the epoch's time, each step as long as its costliest batch: 3-4% shorter
+        assert sum(max(c) for c in zip(*joint)) < 0.98 * sum(max(c) for c in zip(*step_costs(alone)))
+
+
 def test_two_workers_trade_rows_and_replay_the_cached_epoch(tmp_path, ray_cluster, pipeline_run, tiny_target):
-    """2 workers, 2 epochs: with rows traded between the ranks at every pool, each epoch still trains every
-    row once (row count and id-hash tally over both ranks), and the second epoch, replayed from the
-    workers' memory, trains to the same losses as a run that streams it again (data.cache_mb=0)."""
+    """2 workers, 2 epochs: with rows moved between the ranks at every pool (the pools planned together),
+    each epoch still trains every row once (row count and id-hash tally over both ranks), and the second
+    epoch, replayed from the workers' memory, trains to the same losses as a run that streams it again
+    (data.cache_mb=0)."""
     import pyarrow.parquet as pq
 
     from trainer.data import shard_files

@@ -47,7 +47,8 @@ def level(base_url: str, model: str, prompts: list[str], concurrency: int, max_t
 
 
 def deployment(backend: str, target: Path, head: Path | None, port: int, k: int, threads: int,
-               vllm_dtype: str = "auto", vllm_bind: str = "auto", vllm_eager: bool = True) -> ServeConfig:
+               vllm_dtype: str = "auto", vllm_bind: str = "auto", vllm_eager: bool = True,
+               vllm_draft_up_to: int | None = None) -> ServeConfig:
     name = f"{backend}-{'spec' if head else 'vanilla'}"
     common = dict(backend=backend, target=target, head=head, model_name=name, app_name=name, port=port,
                   max_ongoing_requests=64, max_tokens_limit=2048)
@@ -55,7 +56,7 @@ def deployment(backend: str, target: Path, head: Path | None, port: int, k: int,
         return ServeConfig(**common, num_cpus_per_replica=1, speculative={"mode": "chain", "depth": k},
                            vllm={"max_model_len": 2048, "dtype": vllm_dtype, "max_num_seqs": 64,
                                  "cpu_threads_bind": vllm_bind, "cpu_reserved": None if vllm_bind == "auto" else 0,
-                                 "enforce_eager": vllm_eager})
+                                 "enforce_eager": vllm_eager, "draft_up_to_batch": vllm_draft_up_to})
     return ServeConfig(**common, num_cpus_per_replica=0.5, threads_per_replica=threads)
 
 
@@ -76,17 +77,20 @@ def main(argv=None) -> dict:
                     help='vLLM engine cores (VLLM_CPU_OMP_THREADS_BIND): "auto" keeps one for its scheduler, '
                          '"0-1" gives the engine both cores of a 2-core box')
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile its model (enforce_eager off)")
+    ap.add_argument("--vllm-draft-up-to", type=int, default=None,
+                    help="vllm.draft_up_to_batch: vLLM drafts nothing with more running sequences than this")
     args = ap.parse_args(argv)
     from ray import serve
 
     levels = [int(x) for x in args.levels.split(",")]
     prompts = default_prompts(None, args.requests_per_level)
     result: dict = {"requests_per_level": len(prompts), "max_tokens": args.max_tokens, "k_vllm": args.k,
-                    "vllm_dtype": args.vllm_dtype, "vllm_bind": args.vllm_bind, "vllm_compile": args.vllm_compile}
+                    "vllm_dtype": args.vllm_dtype, "vllm_bind": args.vllm_bind, "vllm_compile": args.vllm_compile,
+                    "vllm_draft_up_to": args.vllm_draft_up_to}
     for backend in args.backends.split(","):
         for head in (args.head_dir / HEADS[backend], None):
             cfg = deployment(backend, args.target, head, args.port, args.k, args.threads, args.vllm_dtype,
-                             args.vllm_bind, not args.vllm_compile)
+                             args.vllm_bind, not args.vllm_compile, args.vllm_draft_up_to)
             t0 = time.perf_counter()
             url = start(cfg) + "/v1"
             level(url, cfg.model_name, prompts[:2], 1, 8)  # warm-up

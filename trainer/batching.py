@@ -1,6 +1,6 @@
 """Micro-batch planning as pure functions: rows of a pool grouped by length into cost-balanced padded
-batches, their rank-aligned order, and the row swaps that give every rank's pool the same work
-(docs/ARCHITECTURE.md §10). `trainer/data.py` runs them on the rows each rank streams.
+batches, their rank-aligned order, the ranks' pools planned together into steps of matched work, and the
+row swaps that give every rank's pool the same work (docs/ARCHITECTURE.md §10). `trainer/data.py` runs them on the rows each rank streams.
 """
 from __future__ import annotations
 
@@ -89,16 +89,54 @@ def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random
     count = count or min_batches(lengths, max_tokens, max_rows)
     batches = balanced_groups(lengths, loss_tokens, count, max_tokens, max_rows, cost)
 
-    def batch_cost(b):
-        return cost(len(b), max(lengths[i] for i in b), sum(loss_tokens[i] for i in b))
-    batches.sort(key=batch_cost)  # stable: ties keep length order
-    n = len(batches)
-    runs = [batches[n * k // segments:n * (k + 1) // segments] for k in range(segments)]
+    batches.sort(key=lambda b: group_cost(b, lengths, loss_tokens, cost))  # stable: ties keep length order
+    return segment_order(batches, rng, segments)
+
+
+def group_cost(group: list[int], lengths: list[int], loss_tokens: list[int], cost: GroupCost) -> float:
+    return cost(len(group), max(lengths[i] for i in group), sum(loss_tokens[i] for i in group))
+
+
+def segment_order(items: list, rng: random.Random, segments: int = ORDER_SEGMENTS) -> list:
+    """Pure: `items` (sorted by cost) cut into `segments` runs of equal count; rng shuffles the runs and
+    flips each one's direction. The same rng on every rank gives every rank the same order."""
+    n = len(items)
+    runs = [items[n * k // segments:n * (k + 1) // segments] for k in range(segments)]
     rng.shuffle(runs)
     out = []
     for run in runs:
         out += run[::-1] if rng.random() < 0.5 else run
     return out
+
+
+def plan_steps(lengths: list[list[int]], loss_tokens: list[list[int]], max_tokens: int, max_rows: int,
+               rng: random.Random, cost: GroupCost = padded_cost,
+               segments: int = ORDER_SEGMENTS) -> list[list[list[tuple[int, int]]]]:
+    """Pure: every rank's pool planned together, so that at each step the ranks hold batches of nearly the
+    same work. The union of the pools (lengths[r], loss_tokens[r]: rank r's rows) is cut by
+    `balanced_groups` into world x count batches, count = the fewest per rank that fit the budgets; sorted by
+    cost, each `world` neighbours make one step. In a step the batches go to the ranks that hold most of
+    their rows (the fewest rows move), and the steps take `segment_order`. Returns plan[r][step]: rank r's
+    batch as (source rank, index in that rank's pool) pairs. Every rank computes the same plan."""
+    world = len(lengths)
+    rows = [(r, k) for r in range(world) for k in range(len(lengths[r]))]
+    flat_len = [lengths[r][k] for r, k in rows]
+    flat_loss = [loss_tokens[r][k] for r, k in rows]
+    count = min(-(-min_batches(flat_len, max_tokens, max_rows) // world), len(rows) // world)
+    groups = balanced_groups(flat_len, flat_loss, world * count, max_tokens, max_rows, cost)
+    groups.sort(key=lambda g: group_cost(g, flat_len, flat_loss, cost))
+    steps = segment_order([groups[i * world:(i + 1) * world] for i in range(count)], rng, segments)
+    plan: list[list[list[tuple[int, int]]]] = [[] for _ in range(world)]
+    for step in steps:
+        home = [[sum(rows[i][0] == r for i in g) for r in range(world)] for g in step]
+        free_groups, free_ranks = set(range(world)), set(range(world))
+        while free_groups:  # greedy: the largest overlap of a batch with a rank's own rows first
+            g, r = max(((g, r) for g in free_groups for r in free_ranks),
+                       key=lambda gr: (home[gr[0]][gr[1]], -gr[0], -gr[1]))
+            plan[r].append([rows[i] for i in step[g]])
+            free_groups.discard(g)
+            free_ranks.discard(r)
+    return plan
 
 
 def balance_swaps(costs: list[list[float]], max_swaps: int, tolerance: float = 1e-3) -> list[list[tuple[int, int]]]:

@@ -16,6 +16,10 @@ class Data(StrictModel):
     max_tokens_per_batch: int = Field(4096, gt=0)  # padded tokens per micro-batch (length-bucketed)
     max_rows_per_batch: int = Field(16, gt=0)
     bucket_pool: int = Field(256, gt=0)       # rows gathered before bucketing by length
+    # 2+ workers: "steps" plans the ranks' pools together so every step's batches match in work (~40% of
+    # the rows move between workers); "pools" trades a few rows so each pool's total matches (fewer moves,
+    # more waiting at each step's all-reduce). trainer/data.py MicroBatches; ARCHITECTURE.md §10.
+    balance: Literal["steps", "pools"] = "steps"
     val_rows: int = Field(32, ge=0)           # held out (the last rows of the run) for eval metrics
     stream_buffer_mb: int | None = Field(None, gt=0)  # stream / hybrid: object-store budget of the data in
     #                                                   flight; capture waits for the trainer past it

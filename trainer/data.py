@@ -20,7 +20,7 @@ import torch
 from pipeline.codec import from_bytes
 from pipeline.shards import first_mismatch, read_manifest
 from pipeline.target import TargetSpec
-from trainer.batching import flops_cost, min_batches, padded_cost, plan_batches, balance_swaps
+from trainer.batching import flops_cost, min_batches, padded_cost, plan_batches, plan_steps, balance_swaps
 from trainer.cost import StepFlops
 
 
@@ -80,21 +80,24 @@ class Alone:
 
 class MicroBatches:
     """One rank's micro-batches for an epoch: rows from a Ray Data iterator (numpy batches) gathered into
-    pools of `pool` rows; each pool's work evened out across ranks, then planned (`plan_batches`) into
-    the number of batches every rank agrees on, balanced by estimated FLOPs (`flops`) or padded size.
+    pools of `pool` rows, planned into batches balanced by estimated FLOPs (`flops`) or padded size.
 
     A step makes one collective, `peers.agree` (an all-reduce MAX): whether any rank ran dry, whether the
     ranks start new pools. Ray Data's equal split gives every rank the same number of rows, not the same
-    work (on 180 SmolLM2 rows one rank had 10% more FLOPs), so at a new pool the ranks gather each row's
-    cost, trade the rows `balance_swaps` picks (moved through `peers.gather`), and all plan the most
-    batches any pool needs. The epoch ends when any rank is dry."""
+    work. At a new pool, `balance` "steps" (the default with 2+ ranks): the ranks gather each row's length
+    and loss tokens, plan their pools together (`plan_steps`: at every step the ranks hold batches of
+    nearly the same work) and move the rows the plan puts on another rank through `peers.gather`.
+    "pools": the ranks trade the few rows `balance_swaps` picks so each pool holds the same work, then each
+    plans its own pool into the most batches any pool needs (`plan_batches`; fewer rows move, the batches
+    of a step differ more). The epoch ends when any rank is dry."""
 
     def __init__(self, batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
-                 epoch: int, flops: StepFlops | None = None, peers=None):
+                 epoch: int, flops: StepFlops | None = None, peers=None, balance: str = "steps"):
         self.batches, self.pool, self.seed, self.epoch = batches, pool, seed, epoch
         self.peers = peers or Alone()
         self.max_tokens, self.max_rows = max_tokens, max_rows
         self.cost = flops_cost(flops) if flops else padded_cost
+        self.joint = balance == "steps" and self.peers.world > 1
         self.buf: list[dict] = []
         self.queue: list[list[dict]] = []
         self.pools = 0
@@ -108,16 +111,32 @@ class MicroBatches:
         rows, self.buf = self.buf[:self.pool], self.buf[self.pool:]
         return rows
 
-    def _balance(self, rows: list[dict]) -> list[dict]:
-        """This rank's pool after the trades that even out the ranks' costs (the same on every rank)."""
-        if self.peers.world == 1:
-            return rows
+    def _moved(self, rows: list[dict], place: list[list[tuple[int, int]]]) -> list[list[dict]]:
+        """Rows by placement (place[r]: what rank r holds, as (source rank, index)); this rank's rows that
+        another rank holds travel through the process group."""
         me = self.peers.rank
-        costs = [self.cost(1, len(r["input_ids"]), loss_tokens(r)) for r in rows]
-        place = balance_swaps(self.peers.gather(costs), max(1, len(rows) // 8))
         leaving = {k: rows[k] for r, held in enumerate(place) if r != me for src, k in held if src == me}
         arrived = self.peers.gather(leaving)
         return [rows[k] if src == me else arrived[src][k] for src, k in place[me]]
+
+    def _plan_pool(self, rows: list[dict], rng: random.Random) -> list[list[dict]]:
+        """balance "pools" (and one rank): trades even out the pools' work, each rank plans its own."""
+        if self.peers.world > 1:
+            costs = [self.cost(1, len(r["input_ids"]), loss_tokens(r)) for r in rows]
+            rows = self._moved(rows, balance_swaps(self.peers.gather(costs), max(1, len(rows) // 8)))
+        lengths, loss = [len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]
+        _, count = self.peers.agree(False, min_batches(lengths, self.max_tokens, self.max_rows))
+        plan = plan_batches(lengths, self.max_tokens, self.max_rows, rng, loss, self.cost, count)
+        return [[rows[i] for i in idx] for idx in plan]
+
+    def _plan_steps(self, rows: list[dict], rng: random.Random) -> list[list[dict]]:
+        """balance "steps": the pools planned together, each step's batches of matched work."""
+        shapes = self.peers.gather(([len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]))
+        plan = plan_steps([s[0] for s in shapes], [s[1] for s in shapes], self.max_tokens, self.max_rows, rng,
+                          self.cost)
+        held = self._moved(rows, [[x for batch in batches for x in batch] for batches in plan])
+        sizes = [len(b) for b in plan[self.peers.rank]]
+        return [held[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
 
     def next_batch(self) -> list[dict] | None:
         rows = self._gather() if not self.queue else []
@@ -128,13 +147,9 @@ class MicroBatches:
             if self.queue:
                 raise RuntimeError(f"rank out of step: another rank starts pool {self.pools} of epoch "
                                    f"{self.epoch} while this one has {len(self.queue)} batches left")
-            rows = self._balance(rows)
-            lengths, loss = [len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]
-            _, count = self.peers.agree(False, min_batches(lengths, self.max_tokens, self.max_rows))
             rng = random.Random(hash((self.seed, self.epoch, self.pools)) & 0xFFFFFFFF)
             self.pools += 1
-            plan = plan_batches(lengths, self.max_tokens, self.max_rows, rng, loss, self.cost, count)
-            self.queue = [[rows[i] for i in idx] for idx in plan]
+            self.queue = self._plan_steps(rows, rng) if self.joint else self._plan_pool(rows, rng)
         return self.queue.pop(0)
 
 

@@ -32,10 +32,14 @@ def estimate_total_steps(cfg: TrainConfig, files: list[str], held_out: set[str])
     for f in files:
         t = pq.read_table(f, columns=["id", "input_ids"])
         lengths += [len(x) for rid, x in zip(t["id"].to_pylist(), t["input_ids"].to_pylist()) if rid not in held_out]
-    per_worker = math.ceil(len(lengths) / cfg.scaling.num_workers)
-    pool = cfg.data.bucket_pool
-    batches = sum(min_batches(lengths[i:min(i + pool, per_worker)], cfg.data.max_tokens_per_batch,
-                              cfg.data.max_rows_per_batch) for i in range(0, per_worker, pool))
+    workers, pool = cfg.scaling.num_workers, cfg.data.bucket_pool
+    per_worker = math.ceil(len(lengths) / workers)
+    budgets = (cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch)
+    if workers > 1 and cfg.data.balance == "steps":  # the ranks' pools planned together (plan_steps)
+        pools = [lengths[i:i + pool * workers] for i in range(0, per_worker * workers, pool * workers)]
+        batches = sum(math.ceil(min_batches(p, *budgets) / workers) for p in pools)
+    else:
+        batches = sum(min_batches(lengths[i:min(i + pool, per_worker)], *budgets) for i in range(0, per_worker, pool))
     return max(1, cfg.epochs * batches // cfg.optim.grad_accum)
 
 

@@ -276,7 +276,8 @@ class TrainLoop:
         stream = MicroBatches(self.epoch_rows(), cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
                               cfg.data.bucket_pool, cfg.data.seed, st["epoch"],
                               step_flops(self.run.hcfg, cfg.model.ttt_length),
-                              RankPeers(self.run.rank, self.run.world) if self.run.world > 1 else Alone())
+                              RankPeers(self.run.rank, self.run.world) if self.run.world > 1 else Alone(),
+                              cfg.data.balance)
         if st["batches_in_epoch"]:  # replay the epoch's order up to where we stopped
             replayed = 0
             for _ in range(st["batches_in_epoch"]):
