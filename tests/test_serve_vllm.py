@@ -21,7 +21,7 @@ def vllm_server(ray_cluster, tiny_target, tiny_head):
     cfg = ServeConfig(backend="vllm", target=tiny_target, head=tiny_head.parent / "head_speculators",
                       model_name=MODEL, app_name="vllm-test", port=_free_port(), num_cpus_per_replica=1,
                       speculative={"mode": "chain", "depth": 3},
-                      vllm={"max_model_len": 512, "dtype": "float32", "max_num_seqs": 16})
+                      vllm={"max_model_len": 512, "dtype": "float32", "max_num_seqs": 16, "draft_up_to_batch": 2})
     url = start(cfg)
     yield url
     serve.shutdown()
@@ -45,6 +45,48 @@ def test_vllm_backend_serves_greedy_text_with_speculation(vllm_server, tiny_targ
     assert counters["drafts"] > 0 and counters["accepted"] > 0 and counters["tau"] > 1.2, counters
 
 
+def test_vllm_drafts_nothing_past_draft_up_to_batch_and_stays_lossless(vllm_server, tiny_target):
+    """vllm.draft_up_to_batch 2: with 8 requests at once vLLM's batch-size schedule drafts no tokens for
+    most steps (drafted tokens per generated token far under a single request's), and every answer is still
+    the target's own greedy text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from infer.serve_vllm import engine_spec_counters
+
+    c = openai.OpenAI(base_url=vllm_server + "/v1", api_key="none", max_retries=0, timeout=300)
+    prompts = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(8)]
+
+    def settled(before: dict) -> dict:  # Ray exports the engine's counters every few seconds
+        last = before
+        for _ in range(10):
+            time.sleep(2)
+            now = engine_spec_counters(MODEL)
+            if now == last and now != before:
+                return now
+            last = now
+        return last
+
+    def drafted_per_token(run) -> float:
+        before = engine_spec_counters(MODEL)
+        tokens = run()
+        after = settled(before)
+        return (after["draft_tokens"] - before["draft_tokens"]) / tokens
+
+    def one():
+        r = c.chat.completions.create(model=MODEL, messages=prompts[0], max_tokens=40, temperature=0)
+        return r.usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        def many():
+            rs = list(pool.map(lambda m: c.chat.completions.create(model=MODEL, messages=m, max_tokens=40,
+                                                                   temperature=0), prompts))
+            assert [r.choices[0].message.content for r in rs] == [greedy_text(tiny_target, m, 40) for m in prompts]
+            return sum(r.usage.completion_tokens for r in rs)
+        alone, crowd, again = drafted_per_token(one), drafted_per_token(many), drafted_per_token(one)
+    print("drafted tokens per generated token: alone, 8 at once, alone", alone, crowd, again)
+    assert alone > 0.5 and again > 0.5 and crowd < 0.5 * min(alone, again), (alone, crowd, again)
+
+
 def test_vllm_backend_validation(vllm_server):
     """vLLM's own OpenAI validation: unknown model 404, max_tokens past the context 400."""
     c = openai.OpenAI(base_url=vllm_server + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -66,3 +108,15 @@ def test_llm_config_carries_the_cpu_engine_environment(tiny_target):
                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     default = llm_config(ServeConfig(backend="vllm", target=tiny_target, model_name=MODEL)).runtime_env["env_vars"]
     assert default == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+
+
+def test_draft_up_to_batch_becomes_vllms_batch_size_schedule(tiny_target, tiny_head):
+    from infer.serve import ServeConfig
+    from infer.serve_vllm import llm_config
+
+    head = tiny_head.parent / "head_speculators"
+    spec = lambda **v: llm_config(ServeConfig(backend="vllm", target=tiny_target, head=head, model_name=MODEL,  # noqa: E731
+                                              speculative={"depth": 3}, vllm=v)).engine_kwargs["speculative_config"]
+    assert spec(draft_up_to_batch=4, max_num_seqs=32)["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 32, 0]]
+    assert "num_speculative_tokens_per_batch_size" not in spec()
+    assert "num_speculative_tokens_per_batch_size" not in spec(draft_up_to_batch=64, max_num_seqs=64)
