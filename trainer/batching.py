@@ -1,10 +1,12 @@
 """Micro-batch planning as pure functions: rows of a pool grouped by length into cost-balanced padded
 batches, their rank-aligned order, the ranks' pools planned together into steps of matched work, and the
-row swaps that give every rank's pool the same work (docs/ARCHITECTURE.md §10). `trainer/data.py` runs them on the rows each rank streams.
+row swaps that give every rank's pool the same work (docs/ARCHITECTURE.md §10). `trainer/data.py` runs
+them on the rows each rank streams.
 """
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from typing import Callable
 
@@ -122,7 +124,7 @@ def plan_steps(lengths: list[list[int]], loss_tokens: list[list[int]], max_token
     rows = [(r, k) for r in range(world) for k in range(len(lengths[r]))]
     flat_len = [lengths[r][k] for r, k in rows]
     flat_loss = [loss_tokens[r][k] for r, k in rows]
-    count = min(-(-min_batches(flat_len, max_tokens, max_rows) // world), len(rows) // world)
+    count = min(math.ceil(min_batches(flat_len, max_tokens, max_rows) / world), len(rows) // world)
     groups = balanced_groups(flat_len, flat_loss, world * count, max_tokens, max_rows, cost)
     groups.sort(key=lambda g: group_cost(g, flat_len, flat_loss, cost))
     steps = segment_order([groups[i * world:(i + 1) * world] for i in range(count)], rng, segments)

@@ -134,9 +134,8 @@ class MicroBatches:
         shapes = self.peers.gather(([len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]))
         plan = plan_steps([s[0] for s in shapes], [s[1] for s in shapes], self.max_tokens, self.max_rows, rng,
                           self.cost)
-        held = self._moved(rows, [[x for batch in batches for x in batch] for batches in plan])
-        sizes = [len(b) for b in plan[self.peers.rank]]
-        return [held[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
+        held = iter(self._moved(rows, [[x for batch in batches for x in batch] for batches in plan]))
+        return [[next(held) for _ in batch] for batch in plan[self.peers.rank]]
 
     def next_batch(self) -> list[dict] | None:
         rows = self._gather() if not self.queue else []

@@ -39,7 +39,8 @@ def estimate_total_steps(cfg: TrainConfig, files: list[str], held_out: set[str])
         pools = [lengths[i:i + pool * workers] for i in range(0, per_worker * workers, pool * workers)]
         batches = sum(math.ceil(min_batches(p, *budgets) / workers) for p in pools)
     else:
-        batches = sum(min_batches(lengths[i:min(i + pool, per_worker)], *budgets) for i in range(0, per_worker, pool))
+        batches = sum(min_batches(lengths[i:min(i + pool, per_worker)], *budgets)
+                      for i in range(0, per_worker, pool))
     return max(1, cfg.epochs * batches // cfg.optim.grad_accum)
 
 
