@@ -4,7 +4,8 @@ processes take.
 
     python tools/bench_train.py [--shape demo=runs/demo/target,runs/demo/data/capture]
                                 [--shape smollm2=runs/smollm2/target,runs/smollm2/data/capture] [--steps 12]
-                                [--epochs 2] [--compare-blocked] [--zero-stage 0|1|2|3]
+                                [--epochs 2] [--compare-blocked] [--compare-equal-speeds]
+                                [--zero-stage 0|1|2|3]
 
 All runs share one Ray instance and the same data order. The 1- and 2-worker runs train `--epochs` whole
 epochs and are measured over the last one: both then process the same rows, so their ratio compares equal
@@ -136,16 +137,18 @@ def measure(base: dict, out: Path, epoch: int | None = None, **over) -> dict:
     res = {"tokens_per_s": median, "step_s": round(statistics.median(r["step_s"] for r in recs[1:]), 4),
            "windows": len(recs) - 1}
     if epoch is not None:
+        ends = [h for h in json.loads((out / "history.json").read_text()) if h.get("epoch_end") == epoch]
         ep = [r for r in recs if r["epoch"] == epoch]
         secs = sum(r["step_s"] for r in ep)  # log_every 1: a window is one step
         res = {"tokens_per_s": round(sum(r["tokens_per_s"] * r["step_s"] for r in ep) / secs, 1),
                "median_window_tokens_per_s": median, "step_s": round(secs / len(ep), 4), "steps": len(ep),
-               "epoch_s": round(secs, 1)}
+               "epoch_s": round(secs, 1), "pool_speeds": ends[0].get("pool_speeds") if ends else None}
     return res
 
 
 def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path, blocked: bool,
-                zero_stage: int = 2, epochs: int = 2, cache_mb: int | None = None) -> dict:
+                zero_stage: int = 2, epochs: int = 2, cache_mb: int | None = None,
+                equal_speeds: bool = False) -> dict:
     from pipeline.shards import read_manifest
 
     base = {"target": target, "data": {"shards": shards, "max_tokens_per_batch": 2048,
@@ -163,6 +166,15 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
     two = measure(base, work / "w2", epochs - 1, **by_epoch,
                   **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
     ray_share = (ray_cpu.sample() - cpu0) / (time.perf_counter() - t0)
+    if equal_speeds:  # the same 2 workers planning equal work per rank (data.rank_speeds: equal)
+        two_eq = measure(base, work / "w2_equal", epochs - 1, **by_epoch, **{
+            "scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5, "data.rank_speeds": "equal"})
+        extra_eq = {"tokens_per_s_2_equal_speeds": two_eq["tokens_per_s"],
+                    "epoch_s_2_equal_speeds": two_eq["epoch_s"],
+                    "workers2_vs_1_equal_speeds": round(two_eq["tokens_per_s"] / one["tokens_per_s"], 3),
+                    "measured_vs_equal_speeds_2": round(two["tokens_per_s"] / two_eq["tokens_per_s"], 3)}
+    else:
+        extra_eq = {}
     by_ttt = {str(t): one if t == 7 else measure(base, work / f"ttt{t}", **{"model.ttt_length": t}) for t in ttts}
     extra = {}
     if blocked:  # the materialised TTT attention (trainer/ttt.py) against the default kernel, 1 worker
@@ -186,6 +198,7 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
                                                   / one["median_window_tokens_per_s"], 3),
             "epoch_s": {"1": one["epoch_s"], "2": two["epoch_s"]},
             "ray_processes_cpu_during_2_workers": round(ray_share, 3),
+            "pool_speeds_2": two["pool_speeds"], **extra_eq,
             "step_s_by_ttt": {k: v["step_s"] for k, v in by_ttt.items()}, **extra}
 
 
@@ -199,6 +212,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--compare-blocked", action="store_true",
                     help="also run 1 worker on the blocked TTT attention (model.attention=blocked)")
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
+    ap.add_argument("--compare-equal-speeds", action="store_true",
+                    help="also run 2 workers with data.rank_speeds=equal (plans not weighted by speed)")
     ap.add_argument("--cache-mb", type=int, default=None,
                     help="data.cache_mb of every run (default: the trainer's; 0 streams every epoch again)")
     args = ap.parse_args(argv)
@@ -215,7 +230,7 @@ def main(argv=None) -> dict:
     ensure_ray()
     with tempfile.TemporaryDirectory() as d:
         per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked,
-                                 args.zero_stage, args.epochs, args.cache_mb)
+                                 args.zero_stage, args.epochs, args.cache_mb, args.compare_equal_speeds)
                for name, (t, s) in shapes.items()}
     for r in per.values():
         r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)

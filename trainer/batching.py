@@ -112,33 +112,103 @@ def segment_order(items: list, rng: random.Random, segments: int = ORDER_SEGMENT
 
 
 def plan_steps(lengths: list[list[int]], loss_tokens: list[list[int]], max_tokens: int, max_rows: int,
-               rng: random.Random, cost: GroupCost = padded_cost,
-               segments: int = ORDER_SEGMENTS) -> list[list[list[tuple[int, int]]]]:
-    """Pure: every rank's pool planned together, so that at each step the ranks hold batches of nearly the
-    same work. The union of the pools (lengths[r], loss_tokens[r]: rank r's rows) is cut by
+               rng: random.Random, cost: GroupCost = padded_cost, segments: int = ORDER_SEGMENTS,
+               speeds: list[float] | None = None) -> list[list[list[tuple[int, int]]]]:
+    """Pure: every rank's pool planned together, so that at each step the ranks finish their batches at
+    nearly the same time. The union of the pools (lengths[r], loss_tokens[r]: rank r's rows) is cut by
     `balanced_groups` into world x count batches, count = the fewest per rank that fit the budgets; sorted by
     cost, each `world` neighbours make one step. In a step the batches go to the ranks that hold most of
-    their rows (the fewest rows move), and the steps take `segment_order`. Returns plan[r][step]: rank r's
-    batch as (source rank, index in that rank's pool) pairs. Every rank computes the same plan."""
+    their rows (the fewest rows move), and the steps take `segment_order`.
+    With `speeds` (rank r's work per second, relative; None: all equal) a second plan is made too: each
+    `world` neighbours in length order make a step, whose rows have similar lengths, so `weigh_step` can
+    trade them until each rank's batch takes the same time (cost-sorted neighbours differ in length, and
+    their batches sit at the token budget: few trades fit). The plan whose epoch is shorter (the sum over
+    steps of the slowest rank's time) is returned. Returns plan[r][step]: rank r's batch as (source rank,
+    index in that rank's pool) pairs. Every rank computes the same plan."""
     world = len(lengths)
     rows = [(r, k) for r in range(world) for k in range(len(lengths[r]))]
     flat_len = [lengths[r][k] for r, k in rows]
     flat_loss = [loss_tokens[r][k] for r, k in rows]
     count = min(math.ceil(min_batches(flat_len, max_tokens, max_rows) / world), len(rows) // world)
     groups = balanced_groups(flat_len, flat_loss, world * count, max_tokens, max_rows, cost)
-    groups.sort(key=lambda g: group_cost(g, flat_len, flat_loss, cost))
-    steps = segment_order([groups[i * world:(i + 1) * world] for i in range(count)], rng, segments)
-    plan: list[list[list[tuple[int, int]]]] = [[] for _ in range(world)]
-    for step in steps:
-        home = [[sum(rows[i][0] == r for i in g) for r in range(world)] for g in step]
-        free_groups, free_ranks = set(range(world)), set(range(world))
-        while free_groups:  # greedy: the largest overlap of a batch with a rank's own rows first
-            g, r = max(((g, r) for g in free_groups for r in free_ranks),
-                       key=lambda gr: (home[gr[0]][gr[1]], -gr[0], -gr[1]))
-            plan[r].append([rows[i] for i in step[g]])
-            free_groups.discard(g)
-            free_ranks.discard(r)
-    return plan
+    by_cost = sorted(groups, key=lambda g: group_cost(g, flat_len, flat_loss, cost))
+    drawn = rng.getstate()  # both candidates draw the same order for their steps
+    plans = []
+    for ordered, weigh in [(by_cost, False)] + ([(groups, True)] if speeds is not None else []):
+        rng.setstate(drawn)
+        steps = segment_order([ordered[i * world:(i + 1) * world] for i in range(count)], rng, segments)
+        mine = [step_to_ranks(step, rows, world) for step in steps]
+        if weigh:
+            mine = [weigh_step(m, speeds, flat_len, flat_loss, cost, max_tokens, max_rows) for m in mine]
+        plans.append(mine)
+    rel = speeds or [1.0] * world
+    best = min(plans, key=lambda p: sum(max(group_cost(g, flat_len, flat_loss, cost) / rel[r]
+                                            for r, g in enumerate(m)) for m in p))
+    return [[[rows[i] for i in m[r]] for m in best] for r in range(world)]
+
+
+def step_to_ranks(step: list[list[int]], rows: list[tuple[int, int]], world: int) -> list[list[int]]:
+    """Pure: a step's batches -> rank r's batch at [r]: greedily, the largest overlap of a batch with a
+    rank's own rows first (the fewest rows move)."""
+    mine: list[list[int]] = [[] for _ in range(world)]
+    home = [[sum(rows[i][0] == r for i in g) for r in range(world)] for g in step]
+    free_groups, free_ranks = set(range(world)), set(range(world))
+    while free_groups:
+        g, r = max(((g, r) for g in free_groups for r in free_ranks),
+                   key=lambda gr: (home[gr[0]][gr[1]], -gr[0], -gr[1]))
+        mine[r] = step[g]
+        free_groups.discard(g)
+        free_ranks.discard(r)
+    return mine
+
+
+def weigh_step(batches: list[list[int]], speeds: list[float], lengths: list[int], loss_tokens: list[int],
+               cost: GroupCost, max_tokens: int, max_rows: int, max_trades: int = 32) -> list[list[int]]:
+    """Pure: one step's batches (batches[r]: rank r's row indices) with rows moved or swapped between
+    ranks so that the step's time, max over r of cost_r / speeds[r], is as short as single trades make it,
+    every batch within the budgets and non-empty. Each trade is the best move of one row or swap of two
+    between the rank that finishes last and the one that finishes first (exact batch costs, padding
+    included); it stops when no trade shortens that pair."""
+    out = [list(b) for b in batches]
+
+    def fits(g: list[int]) -> bool:
+        return 0 < len(g) <= max_rows and len(g) * max(lengths[i] for i in g) <= max_tokens
+
+    def secs(g: list[int], r: int) -> float:
+        return group_cost(g, lengths, loss_tokens, cost) / speeds[r]
+
+    for _ in range(max_trades):
+        times = [secs(g, r) for r, g in enumerate(out)]
+        hi, lo = times.index(max(times)), times.index(min(times))
+        heavy, light = out[hi], out[lo]
+        best, pair = times[hi] * (1 - 1e-9), None
+        for i in range(len(heavy)):
+            rest = heavy[:i] + heavy[i + 1:]
+            for j in [None, *range(len(light))]:  # None: move row i; else swap it with light[j]
+                h = rest if j is None else rest + [light[j]]
+                lt = light + [heavy[i]] if j is None else light[:j] + light[j + 1:] + [heavy[i]]
+                if fits(h) and fits(lt):
+                    t = max(secs(h, hi), secs(lt, lo))
+                    if t < best:
+                        best, pair = t, (h, lt)
+        if pair is None:
+            break
+        out[hi], out[lo] = pair
+    return out
+
+
+def speed_shares(rates: list[float | None], deadband: float = 0.01, clamp: float = 2.0) -> list[float] | None:
+    """Pure: the ranks' measured rates (work per second; None: not measured yet) -> relative speeds with
+    mean 1, rounded to 3 decimals so a checkpoint replays them exactly; None (plan equal work) when any rank
+    has no rate or they differ by less than `deadband`. Each is kept within [1/clamp, clamp] of the mean:
+    one stalled measurement must not hand a rank a tiny batch for a whole pool."""
+    if not rates or any(r is None or r <= 0 for r in rates):
+        return None
+    mean = sum(rates) / len(rates)
+    rel = [min(clamp, max(1 / clamp, r / mean)) for r in rates]
+    if max(rel) / min(rel) < 1 + deadband:
+        return None
+    return [round(r, 3) for r in rel]
 
 
 def balance_swaps(costs: list[list[float]], max_swaps: int, tolerance: float = 1e-3) -> list[list[tuple[int, int]]]:

@@ -20,7 +20,8 @@ import torch
 from pipeline.codec import from_bytes
 from pipeline.shards import first_mismatch, read_manifest
 from pipeline.target import TargetSpec
-from trainer.batching import flops_cost, min_batches, padded_cost, plan_batches, plan_steps, balance_swaps
+from trainer.batching import (balance_swaps, flops_cost, min_batches, padded_cost, plan_batches, plan_steps,
+                              speed_shares)
 from trainer.cost import StepFlops
 
 
@@ -78,6 +79,26 @@ class Alone:
         return [obj]
 
 
+class RankPace:
+    """This rank's measured speed: the planner's estimated work of the batches it trained over the seconds
+    their forwards took (a forward holds no collective, so no wait on another rank is counted). Kept for
+    the whole run: a rank that shares its core with Ray's own processes stays slower (ARCHITECTURE.md §10).
+    The first batch of a run (first touches, allocations) is not counted."""
+
+    def __init__(self):
+        self.work, self.secs, self.skipped = 0.0, 0.0, False
+
+    def add(self, work: float, secs: float) -> None:
+        if not self.skipped:
+            self.skipped = True
+            return
+        self.work += work
+        self.secs += secs
+
+    def rate(self) -> float | None:
+        return self.work / self.secs if self.secs > 0 else None
+
+
 class MicroBatches:
     """One rank's micro-batches for an epoch: rows from a Ray Data iterator (numpy batches) gathered into
     pools of `pool` rows, planned into batches balanced by estimated FLOPs (`flops`) or padded size.
@@ -89,15 +110,22 @@ class MicroBatches:
     nearly the same work) and move the rows the plan puts on another rank through `peers.gather`.
     "pools": the ranks trade the few rows `balance_swaps` picks so each pool holds the same work, then each
     plans its own pool into the most batches any pool needs (`plan_batches`; fewer rows move, the batches
-    of a step differ more). The epoch ends when any rank is dry."""
+    of a step differ more). The epoch ends when any rank is dry.
+
+    With `pace` ("steps" only), the gather carries each rank's measured speed and the plan gives a faster
+    rank more work (`speed_shares`, `plan_steps`). The speeds a pool was planned with are recorded in
+    `speeds[pool]` (the trainer's checkpointed state), and a pool found there is planned with them again:
+    a resumed run replays the same batches."""
 
     def __init__(self, batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
-                 epoch: int, flops: StepFlops | None = None, peers=None, balance: str = "steps"):
+                 epoch: int, flops: StepFlops | None = None, peers=None, balance: str = "steps",
+                 pace: RankPace | None = None, speeds: dict | None = None):
         self.batches, self.pool, self.seed, self.epoch = batches, pool, seed, epoch
         self.peers = peers or Alone()
         self.max_tokens, self.max_rows = max_tokens, max_rows
         self.cost = flops_cost(flops) if flops else padded_cost
         self.joint = balance == "steps" and self.peers.world > 1
+        self.pace, self.speeds = pace, speeds if speeds is not None else {}
         self.buf: list[dict] = []
         self.queue: list[list[dict]] = []
         self.pools = 0
@@ -130,10 +158,15 @@ class MicroBatches:
         return [[rows[i] for i in idx] for idx in plan]
 
     def _plan_steps(self, rows: list[dict], rng: random.Random) -> list[list[dict]]:
-        """balance "steps": the pools planned together, each step's batches of matched work."""
-        shapes = self.peers.gather(([len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]))
+        """balance "steps": the pools planned together, each step's batches of matched time."""
+        rate = self.pace.rate() if self.pace else None
+        shapes = self.peers.gather(([len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows],
+                                    rate))
+        key = str(self.pools - 1)
+        if key not in self.speeds:
+            self.speeds[key] = speed_shares([s[2] for s in shapes]) if self.pace else None
         plan = plan_steps([s[0] for s in shapes], [s[1] for s in shapes], self.max_tokens, self.max_rows, rng,
-                          self.cost)
+                          self.cost, speeds=self.speeds[key])
         held = iter(self._moved(rows, [[x for batch in batches for x in batch] for batches in plan]))
         return [[next(held) for _ in batch] for batch in plan[self.peers.rank]]
 
@@ -154,6 +187,11 @@ class MicroBatches:
 
 def loss_tokens(row: dict) -> int:
     return int(np.asarray(row["loss_mask"]).sum())
+
+
+def batch_cost(stream: MicroBatches, rows: list[dict]) -> float:
+    """The planner's estimate of a batch's work (what `RankPace` divides by the forward's seconds)."""
+    return stream.cost(len(rows), max(len(r["input_ids"]) for r in rows), sum(map(loss_tokens, rows)))
 
 
 class EpochCache:

@@ -17,7 +17,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.cost import step_flops
-from trainer.data import Alone, EpochCache, MicroBatches, collate
+from trainer.data import Alone, EpochCache, MicroBatches, RankPace, batch_cost, collate
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec, cpu_has_native_bf16
 from trainer.head import Eagle3Head, head_config_from_target
@@ -237,6 +237,7 @@ class TrainLoop:
         self.last_epoch = min(cfg.epochs, config.get("stop_epoch") or cfg.epochs)  # hybrid: the streamed epoch
         self.seen = RowTally()
         self.cache = EpochCache(cfg.data.cache_mb if config.get("cache_rows", True) else 0)
+        self.pace = RankPace() if cfg.data.rank_speeds == "measured" else None
         self.state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
         ckpt = ray.train.get_checkpoint()
         if ckpt:
@@ -277,7 +278,7 @@ class TrainLoop:
                               cfg.data.bucket_pool, cfg.data.seed, st["epoch"],
                               step_flops(self.run.hcfg, cfg.model.ttt_length),
                               RankPeers(self.run.rank, self.run.world) if self.run.world > 1 else Alone(),
-                              cfg.data.balance)
+                              cfg.data.balance, self.pace, st.setdefault("pool_speeds", {}))
         if st["batches_in_epoch"]:  # replay the epoch's order up to where we stopped
             replayed = 0
             for _ in range(st["batches_in_epoch"]):
@@ -290,9 +291,12 @@ class TrainLoop:
                       f"of epoch {st['epoch']}: {how}", flush=True)
         return stream
 
-    def train_micro_batch(self, rows: list[dict]) -> None:
+    def train_micro_batch(self, rows: list[dict], stream: MicroBatches) -> None:
         run, st = self.run, self.state
+        t0 = time.perf_counter()
         out, ntok = run.forward(rows)
+        if self.pace:
+            self.pace.add(batch_cost(stream, rows), time.perf_counter() - t0)
         run.engine.backward(out["loss"])
         # Checked after backward, whose gradient all-reduce has just lined the ranks up (a sync between
         # forward and backward made the ranks wait for each other twice a step); step() has not run, so
@@ -351,14 +355,20 @@ class TrainLoop:
         while True:
             rows = stream.next_batch()
             if rows is None:
-                self.state["history"].append({"epoch_end": self.state["epoch"], **self.seen.total(self.run)})
+                self.end_epoch()
                 return False
-            self.train_micro_batch(rows)
+            self.train_micro_batch(rows, stream)
             if self.state["batches_in_epoch"] % self.cfg.optim.grad_accum == 0 and self.after_step():
                 # The last step may also end the epoch: record its tally when nothing is left on any rank.
                 if stream.next_batch() is None:
-                    self.state["history"].append({"epoch_end": self.state["epoch"], **self.seen.total(self.run)})
+                    self.end_epoch()
                 return True
+
+    def end_epoch(self) -> None:
+        """The epoch's row tally and the rank speeds its pools were planned with (None: equal work)."""
+        st = self.state
+        speeds = [st["pool_speeds"][k] for k in sorted(st["pool_speeds"], key=int)]
+        st["history"].append({"epoch_end": st["epoch"], **self.seen.total(self.run), "pool_speeds": speeds})
 
     def __call__(self) -> None:
         st = self.state
@@ -370,6 +380,7 @@ class TrainLoop:
             if not done:
                 st["epoch"] += 1
                 st["batches_in_epoch"] = 0
+                st["pool_speeds"] = {}
         if not self.val:  # nothing to choose by: the final head is the best one
             self.run.save_best({"step": st["global_step"], "note": "no validation rows; final weights"})
         elif not any(h.get("step") == st["global_step"] and "sim_tau" in h for h in st["history"]):
