@@ -4,7 +4,7 @@ processes take.
 
     python tools/bench_train.py [--shape demo=runs/demo/target,runs/demo/data/capture]
                                 [--shape smollm2=runs/smollm2/target,runs/smollm2/data/capture] [--steps 12]
-                                [--epochs 2] [--compare-blocked] [--compare-equal-speeds]
+                                [--epochs 2] [--compare-blocked] [--compare-measured-speeds]
                                 [--zero-stage 0|1|2|3]
 
 All runs share one Ray instance and the same data order. The 1- and 2-worker runs train `--epochs` whole
@@ -148,7 +148,7 @@ def measure(base: dict, out: Path, epoch: int | None = None, **over) -> dict:
 
 def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path, blocked: bool,
                 zero_stage: int = 2, epochs: int = 2, cache_mb: int | None = None,
-                equal_speeds: bool = False) -> dict:
+                measured_speeds: bool = False) -> dict:
     from pipeline.shards import read_manifest
 
     base = {"target": target, "data": {"shards": shards, "max_tokens_per_batch": 2048,
@@ -166,15 +166,15 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
     two = measure(base, work / "w2", epochs - 1, **by_epoch,
                   **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
     ray_share = (ray_cpu.sample() - cpu0) / (time.perf_counter() - t0)
-    if equal_speeds:  # the same 2 workers planning equal work per rank (data.rank_speeds: equal)
-        two_eq = measure(base, work / "w2_equal", epochs - 1, **by_epoch, **{
-            "scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5, "data.rank_speeds": "equal"})
-        extra_eq = {"tokens_per_s_2_equal_speeds": two_eq["tokens_per_s"],
-                    "epoch_s_2_equal_speeds": two_eq["epoch_s"],
-                    "workers2_vs_1_equal_speeds": round(two_eq["tokens_per_s"] / one["tokens_per_s"], 3),
-                    "measured_vs_equal_speeds_2": round(two["tokens_per_s"] / two_eq["tokens_per_s"], 3)}
-    else:
-        extra_eq = {}
+    extra_ms = {}
+    if measured_speeds:  # the same 2 workers, plans weighted by their measured speeds (data.rank_speeds)
+        two_ms = measure(base, work / "w2_measured", epochs - 1, **by_epoch, **{
+            "scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5, "data.rank_speeds": "measured"})
+        extra_ms = {"tokens_per_s_2_measured_speeds": two_ms["tokens_per_s"],
+                    "epoch_s_2_measured_speeds": two_ms["epoch_s"],
+                    "pool_speeds_2_measured": two_ms["pool_speeds"],
+                    "workers2_vs_1_measured_speeds": round(two_ms["tokens_per_s"] / one["tokens_per_s"], 3),
+                    "measured_vs_equal_speeds_2": round(two_ms["tokens_per_s"] / two["tokens_per_s"], 3)}
     by_ttt = {str(t): one if t == 7 else measure(base, work / f"ttt{t}", **{"model.ttt_length": t}) for t in ttts}
     extra = {}
     if blocked:  # the materialised TTT attention (trainer/ttt.py) against the default kernel, 1 worker
@@ -198,7 +198,7 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
                                                   / one["median_window_tokens_per_s"], 3),
             "epoch_s": {"1": one["epoch_s"], "2": two["epoch_s"]},
             "ray_processes_cpu_during_2_workers": round(ray_share, 3),
-            "pool_speeds_2": two["pool_speeds"], **extra_eq,
+            **extra_ms,
             "step_s_by_ttt": {k: v["step_s"] for k, v in by_ttt.items()}, **extra}
 
 
@@ -212,8 +212,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--compare-blocked", action="store_true",
                     help="also run 1 worker on the blocked TTT attention (model.attention=blocked)")
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
-    ap.add_argument("--compare-equal-speeds", action="store_true",
-                    help="also run 2 workers with data.rank_speeds=equal (plans not weighted by speed)")
+    ap.add_argument("--compare-measured-speeds", action="store_true",
+                    help="also run 2 workers with data.rank_speeds=measured (plans weighted by rank speed)")
     ap.add_argument("--cache-mb", type=int, default=None,
                     help="data.cache_mb of every run (default: the trainer's; 0 streams every epoch again)")
     args = ap.parse_args(argv)
@@ -230,7 +230,8 @@ def main(argv=None) -> dict:
     ensure_ray()
     with tempfile.TemporaryDirectory() as d:
         per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked,
-                                 args.zero_stage, args.epochs, args.cache_mb, args.compare_equal_speeds)
+                                 args.zero_stage, args.epochs, args.cache_mb,
+                                 args.compare_measured_speeds)
                for name, (t, s) in shapes.items()}
     for r in per.values():
         r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)

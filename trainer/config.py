@@ -21,9 +21,10 @@ class Data(StrictModel):
     # more waiting at each step's all-reduce). trainer/data.py MicroBatches; ARCHITECTURE.md §10.
     balance: Literal["steps", "pools"] = "steps"
     # "steps" with 2+ workers: "measured" gives a rank that runs faster (its forwards' work per second)
-    # proportionally more work at each step; the speeds are checkpointed, so a resume is exact, but two
-    # fresh runs may plan differently. "equal": every run of a seed trains the same batches.
-    rank_speeds: Literal["measured", "equal"] = "measured"
+    # more work at each step, for nodes or cores of unequal speed; the speeds are checkpointed, so a
+    # resume is exact, but two fresh runs may plan differently. "equal": every run of a seed trains the
+    # same batches (on 2 equal cores measured plans gained nothing: README "Benchmarks").
+    rank_speeds: Literal["measured", "equal"] = "equal"
     val_rows: int = Field(32, ge=0)           # held out (the last rows of the run) for eval metrics
     stream_buffer_mb: int | None = Field(None, gt=0)  # stream / hybrid: object-store budget of the data in
     #                                                   flight; capture waits for the trainer past it
