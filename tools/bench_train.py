@@ -132,12 +132,13 @@ def measure(base: dict, out: Path, epoch: int | None = None, **over) -> dict:
         node[last] = value
     tree["out_dir"] = str(out)
     run_training(TrainConfig.model_validate(tree))
-    recs = [h for h in json.loads((out / "history.json").read_text()) if "tokens_per_s" in h]
+    history = json.loads((out / "history.json").read_text())
+    recs = [h for h in history if "tokens_per_s" in h]
     median = round(statistics.median(r["tokens_per_s"] for r in recs[1:]), 1)
     res = {"tokens_per_s": median, "step_s": round(statistics.median(r["step_s"] for r in recs[1:]), 4),
            "windows": len(recs) - 1}
     if epoch is not None:
-        ends = [h for h in json.loads((out / "history.json").read_text()) if h.get("epoch_end") == epoch]
+        ends = [h for h in history if h.get("epoch_end") == epoch]
         ep = [r for r in recs if r["epoch"] == epoch]
         secs = sum(r["step_s"] for r in ep)  # log_every 1: a window is one step
         res = {"tokens_per_s": round(sum(r["tokens_per_s"] * r["step_s"] for r in ep) / secs, 1),

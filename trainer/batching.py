@@ -131,19 +131,22 @@ def plan_steps(lengths: list[list[int]], loss_tokens: list[list[int]], max_token
     flat_loss = [loss_tokens[r][k] for r, k in rows]
     count = min(math.ceil(min_batches(flat_len, max_tokens, max_rows) / world), len(rows) // world)
     groups = balanced_groups(flat_len, flat_loss, world * count, max_tokens, max_rows, cost)
-    by_cost = sorted(groups, key=lambda g: group_cost(g, flat_len, flat_loss, cost))
-    drawn = rng.getstate()  # both candidates draw the same order for their steps
-    plans = []
-    for ordered, weigh in [(by_cost, False)] + ([(groups, True)] if speeds is not None else []):
+    drawn = rng.getstate()  # a second plan draws the same step order
+
+    def assign(ordered: list[list[int]]) -> list[list[list[int]]]:  # [step][rank] -> row indices
         rng.setstate(drawn)
         steps = segment_order([ordered[i * world:(i + 1) * world] for i in range(count)], rng, segments)
-        mine = [step_to_ranks(step, rows, world) for step in steps]
-        if weigh:
-            mine = [weigh_step(m, speeds, flat_len, flat_loss, cost, max_tokens, max_rows) for m in mine]
-        plans.append(mine)
-    rel = speeds or [1.0] * world
-    best = min(plans, key=lambda p: sum(max(group_cost(g, flat_len, flat_loss, cost) / rel[r]
-                                            for r, g in enumerate(m)) for m in p))
+        return [step_to_ranks(step, rows, world) for step in steps]
+
+    best = assign(sorted(groups, key=lambda g: group_cost(g, flat_len, flat_loss, cost)))
+    if speeds is not None:
+        weighed = [weigh_step(m, speeds, flat_len, flat_loss, cost, max_tokens, max_rows)
+                   for m in assign(groups)]
+
+        def epoch(plan: list[list[list[int]]]) -> float:
+            return sum(max(group_cost(g, flat_len, flat_loss, cost) / speeds[r] for r, g in enumerate(m))
+                       for m in plan)
+        best = min((best, weighed), key=epoch)
     return [[[rows[i] for i in m[r]] for m in best] for r in range(world)]
 
 
