@@ -7,10 +7,13 @@ Cache slots [0, committed) hold committed elements; a round's tree elements are 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from infer.packed_linear import PackedLinear, with_packed_linears
+from infer.round_cost import RoundPlan, cost_width
 from infer.scripted_layer import draft_inputs, draft_outputs
 from infer.tree import Tree
 from infer.tree_tensor import CandidateTable, finalize_tensor, rerank_tensor
@@ -52,6 +55,7 @@ class DraftRunner:
         self.cache = DraftCache(attn.kv_heads, attn.head_dim, embed)
         self.script_args = self._script_args() if self.head is not head else None
         self.level_logits: list[torch.Tensor] = []  # the last tree's draft logits per level (tests read it)
+        self.levels = 0  # draft levels the last tree grew (the root's children count as one)
 
     def reset(self) -> None:
         self.cache.committed = 0
@@ -122,11 +126,13 @@ class DraftRunner:
 
     @torch.no_grad()
     def build_tree(self, root_token: int, root_hidden: torch.Tensor, root_logits: torch.Tensor, last_pos: int,
-                   top_k: int, depth: int, total_tokens: int) -> Tree:
+                   top_k: int, depth: int, total_tokens: int, plan: RoundPlan | None = None) -> Tree:
         """EAGLE-2 dynamic tree (infer/tree.py is the reference): top_k children of the root from the last
         ingest output, then depth - 1 levels expanding the top_k best frontier nodes in one forward each,
         then rerank to total_tokens. Every frontier node is a draft element; element e sits at cache slot
-        committed + e and sees the committed prefix, its ancestors' elements and itself."""
+        committed + e and sees the committed prefix, its ancestors' elements and itself.
+        plan (infer/round_cost.py): depth and total_tokens become caps; levels stop once the frontier's best
+        node is below plan.grow_threshold, and the rerank keeps the cost-optimal count."""
         dev, d2t, c = root_hidden.device, self.head.d2t, self.cache.committed
         table = CandidateTable.empty(CandidateTable.capacity(top_k, depth), dev)
         n_elem = (depth - 1) * top_k
@@ -142,8 +148,12 @@ class DraftRunner:
         tok, lp = children(root_logits[None])
         self.level_logits = [root_logits[None]]
         frontier = table.best(table.add(torch.tensor([-1], device=dev), tok, lp), top_k)
-        e = 0
+        e, levels = 0, 1
+        log_threshold = math.log(plan.grow_threshold) if plan and plan.grow_threshold > 0 else -math.inf
         for _ in range(depth - 1):
+            if plan is not None and float(table.scores[frontier].max()) < log_threshold:
+                break
+            levels += 1
             m = frontier.numel()
             par = table.parents[frontier]
             pe = torch.where(par < 0, n_elem, elem_of[par.clamp(min=0)])  # parent element (n_elem = root)
@@ -161,4 +171,9 @@ class DraftRunner:
             self.level_logits.append(logits)
             tok, lp = children(logits)
             frontier = table.best(table.add(frontier, tok, lp), top_k)
+        if plan is not None:
+            scores = torch.sort(table.scores[:table.n], descending=True).values
+            base = plan.base_ms + (levels - 1) * plan.level_ms
+            total_tokens = 1 + cost_width(scores, base, plan.node_ms, total_tokens - 1)
+        self.levels = levels
         return finalize_tensor(root_token, table, rerank_tensor(table, total_tokens))

@@ -10,6 +10,7 @@ path, and let the draft ingest the committed positions' aux states from that sam
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +20,14 @@ import torch
 from pydantic import Field
 
 from infer.draft import DraftRunner
+from infer.round_cost import RoundCosts, measure_round_costs
 from pipeline.target import default_aux_layers, num_layers
 from infer.target import TargetRunner
 from infer.tree import accept_sampling, compaction_indices
 from infer.tree_tensor import accept_greedy_tensor
 from pipeline.yaml_config import StrictModel
+
+log = logging.getLogger(__name__)
 
 
 class TreeShape(StrictModel):
@@ -35,6 +39,9 @@ class TreeShape(StrictModel):
     top_k: int = Field(4, gt=0)
     depth: int = Field(5, gt=0)
     total_tokens: int = Field(16, gt=1)
+    # cost: depth and total_tokens are caps; each round grows and verifies what this machine's measured
+    # costs pay for (infer/round_cost.py). fixed: the shape as given, every round.
+    sizing: Literal["fixed", "cost"] = "fixed"
 
 
 class SpecSettings(TreeShape):
@@ -62,6 +69,8 @@ class SpecStats:
     seconds: float = 0.0
     eos_in_tree: bool = False       # EOS came from an accepted draft node, not the bonus
     cut_mid_round: bool = False     # max_new_tokens ended generation inside a round's tokens
+    nodes: int = 0                  # tree nodes verified, summed over rounds (the root included)
+    levels: int = 0                 # draft levels grown, summed over rounds
     # Seconds per part summed over rounds (prefill excluded): draft (tree growth + ingest), verify (the
     # target forward), accept (acceptance + KV compaction), other (everything else in the loop).
     split: dict = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "accept": 0.0, "other": 0.0})
@@ -123,6 +132,14 @@ class EagleGenerator:
         eos = target.generation_config.eos_token_id if target.generation_config else None
         eos = eos if eos is not None or tokenizer is None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.costs: RoundCosts | None = None  # measured on the first `sizing: cost` round
+
+    def round_costs(self, top_k: int) -> RoundCosts:
+        """This machine's costs for this target + head (infer/round_cost.py), measured once (~1 s)."""
+        if self.costs is None:
+            self.costs = measure_round_costs(self.target, self.draft, top_k)
+            log.info("round costs (ms): %s", self.costs)
+        return self.costs
 
     @classmethod
     def from_folders(cls, target_dir: str | Path, head_dir: str | Path | None, dtype=torch.float32, device="cpu",
@@ -226,7 +243,10 @@ class EagleGenerator:
         target's cache. -> (accepted node indices, new tokens incl. the bonus, the verify's aux states)."""
         t0 = time.perf_counter()
         k, total = (1, depth + 1) if mode == "chain" else (s.top_k, s.total_tokens)
-        tree = self.draft.build_tree(root, hid, dlog, plen - 1, k, depth, total)
+        plan = self.round_costs(k).plan(plen) if s.sizing == "cost" else None
+        tree = self.draft.build_tree(root, hid, dlog, plen - 1, k, depth, total, plan)
+        stats.nodes += tree.size
+        stats.levels += self.draft.levels
         t1 = time.perf_counter()
         logits, aux = self.target.forward(tree.tokens, tree.positions(plen), cache, self.target.verify_masks(tree, plen))
         t2 = time.perf_counter()

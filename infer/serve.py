@@ -63,6 +63,9 @@ class ServeConfig(StrictModel):
     def _dtype_of_backend(self):
         if self.backend == "vllm" and self.dtype != "float32":
             raise ValueError("dtype applies to the eagleray backend; the vllm backend reads vllm.dtype")
+        if self.backend == "vllm" and self.speculative.sizing != "fixed":
+            raise ValueError("speculative.sizing applies to the eagleray backend; vllm drafts a fixed chain "
+                             "of speculative.depth tokens")
         return self
 
 
@@ -74,7 +77,11 @@ def _load_generator(cfg: ServeConfig):
     if cfg.threads_per_replica:
         torch.set_num_threads(cfg.threads_per_replica)
     device = "cuda" if cfg.num_gpus_per_replica > 0 else "cpu"
-    return EagleGenerator.from_folders(cfg.target, cfg.head, dtype=getattr(torch, cfg.dtype), device=device)
+    gen = EagleGenerator.from_folders(cfg.target, cfg.head, dtype=getattr(torch, cfg.dtype), device=device)
+    spec = cfg.speculative
+    if spec.sizing == "cost" and gen.draft is not None:  # measured here, not on the first request
+        gen.round_costs(1 if spec.mode == "chain" else spec.top_k)
+    return gen
 
 
 api = make_api()

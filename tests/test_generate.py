@@ -180,3 +180,18 @@ def test_stop_string_cuts_inside_a_round(tiny_target):
     got = gen.generate(ids, SpecSettings(mode="tree", top_k=3, depth=3, total_tokens=8, max_new_tokens=40, stop=[stop]))
     assert got.finish_reason == "stop" and got.tokens == full[: len(got.tokens)]
     assert stop in got.text and stop not in tok.decode(got.tokens[:-1], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_cost_sized_trees_are_lossless_and_sized(tiny_target, tiny_head, demo_corpus):
+    """`sizing: cost` with this machine's measured costs: token-identical to HF greedy, and the rounds
+    really vary in size between the root alone and the caps."""
+    gen = EagleGenerator.from_folders(tiny_target, tiny_head, dtype=torch.float64)
+    s = SpecSettings(mode="tree", top_k=4, depth=5, total_tokens=16, max_new_tokens=32, sizing="cost")
+    nodes, rounds, accepted = 0, 0, 0
+    for i, ids in enumerate(prompts(gen.tokenizer, demo_corpus, n=20)):
+        got = gen.generate(ids, s)
+        assert got.tokens == hf_greedy(gen.target.model, ids, 32), i
+        nodes, rounds, accepted = nodes + got.stats.nodes, rounds + got.stats.rounds, accepted + sum(got.stats.accepted)
+    assert gen.costs is not None and gen.costs.level > 0
+    assert 1 < nodes / rounds < 16 and accepted > 20

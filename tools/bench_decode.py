@@ -4,8 +4,9 @@
         [--assistant runs/demo/assistant] [--prompts FILE.jsonl] [--n 40] [--max-new-tokens 96]
         [--top-k 4] [--depth 5] [--total-tokens 16]
 
-Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, EAGLE chain (top_k 1, same depth), the
-same tree decoded on the HF forward instead of the lean one (`eagle_tree_hf_forward`; differs from
+Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, the tree with `sizing: cost`
+(`eagle_tree_cost`: the shape's depth and total_tokens as caps, each round sized by this machine's measured
+costs, infer/round_cost.py), EAGLE chain (top_k 1, same depth), the same tree decoded on the HF forward instead of the lean one (`eagle_tree_hf_forward`; differs from
 `eagle_tree` only for Llama-shaped targets, infer/lean_target.py), HF prompt-lookup decoding, HF
 assisted generation with a 2-layer assistant trained by tools/demo_target.py (built on first use when
 missing). Each prompt runs every method in turn, so drift on a shared machine hits all alike.
@@ -92,6 +93,7 @@ def build_methods(gen: EagleGenerator, args) -> dict:
     tree = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens,
                         max_new_tokens=n_new)
     chain = SpecSettings(mode="chain", depth=args.depth, max_new_tokens=n_new)
+    tree_cost = tree.model_copy(update={"sizing": "cost"})  # the shape as caps, sized per round
     vanilla = SpecSettings(mode="vanilla", max_new_tokens=n_new)
 
     def hf(ids, **kw):
@@ -104,6 +106,7 @@ def build_methods(gen: EagleGenerator, args) -> dict:
         return lambda ids: (lambda out: (out.tokens, out.stats))(g.generate(ids, s))
 
     methods = {"hf_generate": hf, "vanilla": ours(gen, vanilla), "eagle_tree": ours(gen, tree),
+               "eagle_tree_cost": ours(gen, tree_cost),
                "eagle_chain": ours(gen, chain), "eagle_tree_hf_forward": gen_hf and ours(gen_hf, tree),
                "eagle_tree_fused_verify": lambda ids: fused_verify(gen, ids, tree),
                "prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
@@ -116,7 +119,7 @@ def build_methods(gen: EagleGenerator, args) -> dict:
 
 def measure(methods: dict, prompts: list[list[int]], counter: ForwardCounter) -> dict:
     """Every method on every prompt in turn (the first prompt once more before, as warm-up)."""
-    agg = {k: {"tokens": 0, "seconds": 0.0, "forwards": 0, "accepted": [], "match": 0,
+    agg = {k: {"tokens": 0, "seconds": 0.0, "forwards": 0, "accepted": [], "match": 0, "nodes": 0, "levels": 0,
                "split": {"draft": 0.0, "verify": 0.0, "accept": 0.0, "other": 0.0}} for k in methods}
     for fn in methods.values():
         fn(prompts[0])
@@ -133,6 +136,8 @@ def measure(methods: dict, prompts: list[list[int]], counter: ForwardCounter) ->
                 a["forwards"] += stats.rounds if stats is not None else max(0, counter.n - 1)
                 if stats is not None:
                     a["accepted"] += stats.accepted
+                    a["nodes"] += stats.nodes
+                    a["levels"] += stats.levels
                     for part, sec in stats.split.items():
                         a["split"][part] += sec
                 ref = tokens if ref is None else ref
@@ -154,6 +159,8 @@ def summarize(agg: dict, n_prompts: int, depth: int) -> dict:
         if name.startswith("eagle_"):
             entry["accept_by_depth"] = [round(sum(x > d for x in a["accepted"]) / rounds, 3)
                                         for d in range(depth)]
+            entry["nodes_per_round"] = round(a["nodes"] / rounds, 2)
+            entry["levels_per_round"] = round(a["levels"] / rounds, 2)
         if name == "vanilla" or name.startswith("eagle_"):
             entry["round_split"] = {k: round(v / rounds, 5) for k, v in a["split"].items()}
             share = sum(a["split"].values())
@@ -161,7 +168,7 @@ def summarize(agg: dict, n_prompts: int, depth: int) -> dict:
         result[name] = entry
     if "vanilla" in result:
         t_step, van_tps = result["vanilla"]["round_split"]["verify"], result["vanilla"]["tokens_per_s"]
-        for name in ("eagle_tree", "eagle_chain", "eagle_tree_hf_forward"):
+        for name in ("eagle_tree", "eagle_tree_cost", "eagle_chain", "eagle_tree_hf_forward"):
             if name in result:
                 r = result[name]
                 rs = r["round_split"]

@@ -5,7 +5,8 @@
 
 One deployment at a time on a local Ray Serve (127.0.0.1), so idle replicas take no cores from the one
 measured: `eagleray` (our tree decoder, batch 1 per replica, head_sglang/) and `vllm` (Ray Serve LLM +
-vLLM's CPU build, continuous batching, head_speculators/ as an EAGLE-3 chain of `--k` tokens), each with
+vLLM's CPU build, continuous batching, head_speculators/ as an EAGLE-3 chain of `--k` tokens; eagleray's
+tree 4/5/16 is sized per round by default, `--eagleray-sizing fixed` takes it as given), each with
 its head and without. At every concurrency level the same chat requests (MT-Bench / GSM8K prompts, T=0)
 go through the real `openai` client. Last line: one JSON object with requests/s, tokens/s, p50/p99 per
 deployment and level, and the ratios vllm_vs_eagleray_c16 (throughput, both speculative) and
@@ -48,7 +49,7 @@ def level(base_url: str, model: str, prompts: list[str], concurrency: int, max_t
 
 def deployment(backend: str, target: Path, head: Path | None, port: int, k: int, threads: int,
                vllm_dtype: str = "auto", vllm_bind: str = "auto", vllm_eager: bool = True,
-               vllm_draft_up_to: int | None = None) -> ServeConfig:
+               vllm_draft_up_to: int | None = None, sizing: str = "cost") -> ServeConfig:
     name = f"{backend}-{'spec' if head else 'vanilla'}"
     common = dict(backend=backend, target=target, head=head, model_name=name, app_name=name, port=port,
                   max_ongoing_requests=64, max_tokens_limit=2048)
@@ -57,7 +58,8 @@ def deployment(backend: str, target: Path, head: Path | None, port: int, k: int,
                            vllm={"max_model_len": 2048, "dtype": vllm_dtype, "max_num_seqs": 64,
                                  "cpu_threads_bind": vllm_bind, "cpu_reserved": None if vllm_bind == "auto" else 0,
                                  "enforce_eager": vllm_eager, "draft_up_to_batch": vllm_draft_up_to})
-    return ServeConfig(**common, num_cpus_per_replica=0.5, threads_per_replica=threads)
+    return ServeConfig(**common, num_cpus_per_replica=0.5, threads_per_replica=threads,
+                       speculative={"sizing": sizing})  # tree 4/5/16 as caps (cost) or as given (fixed)
 
 
 def main(argv=None) -> dict:
@@ -79,6 +81,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile its model (enforce_eager off)")
     ap.add_argument("--vllm-draft-up-to", type=int, default=None,
                     help="vllm.draft_up_to_batch: vLLM drafts nothing with more running sequences than this")
+    ap.add_argument("--eagleray-sizing", default="cost", choices=["cost", "fixed"],
+                    help="speculative.sizing of the eagleray backend (configs/serve/demo.yaml: cost)")
     args = ap.parse_args(argv)
     from ray import serve
 
@@ -86,11 +90,11 @@ def main(argv=None) -> dict:
     prompts = default_prompts(None, args.requests_per_level)
     result: dict = {"requests_per_level": len(prompts), "max_tokens": args.max_tokens, "k_vllm": args.k,
                     "vllm_dtype": args.vllm_dtype, "vllm_bind": args.vllm_bind, "vllm_compile": args.vllm_compile,
-                    "vllm_draft_up_to": args.vllm_draft_up_to}
+                    "vllm_draft_up_to": args.vllm_draft_up_to, "eagleray_sizing": args.eagleray_sizing}
     for backend in args.backends.split(","):
         for head in (args.head_dir / HEADS[backend], None):
             cfg = deployment(backend, args.target, head, args.port, args.k, args.threads, args.vllm_dtype,
-                             args.vllm_bind, not args.vllm_compile, args.vllm_draft_up_to)
+                             args.vllm_bind, not args.vllm_compile, args.vllm_draft_up_to, args.eagleray_sizing)
             t0 = time.perf_counter()
             url = start(cfg) + "/v1"
             level(url, cfg.model_name, prompts[:2], 1, 8)  # warm-up

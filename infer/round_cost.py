@@ -1,0 +1,139 @@
+"""Cost-sized draft trees: each round grows and verifies only what this machine's measured costs pay for
+(docs/ARCHITECTURE.md "Cost-sized trees").
+
+A fixed tree shape is right for one machine and one target: where a verified node is dear (the demo
+target in bf16 on a CPU without AMX, ~19% of a 1-token step per node) a 16-node tree verifies mostly
+nodes that will be rejected, and where it is cheap a small tree leaves acceptance unused. With
+`sizing: cost` the shape's numbers are caps, and per round:
+- *depth*: another draft level is grown only while the frontier's best node (cumulative draft
+  probability pi from the root) reaches `grow_threshold` = (one level + one verified node) / a 1-token
+  step, the share of a token that the extra level and its best node cost;
+- *width*: of every candidate grown, the best m by score are verified, m maximising the expected tokens
+  per millisecond (1 + sum of their pi) / (base + m x node), base = the draft's cost so far + the verify's
+  fixed part. Scores sorted descending keep the tree connected (a child never outranks its parent).
+Which nodes are verified never changes the output: acceptance still takes the target's own choices.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infer.tree import Tree
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """Milliseconds on this machine for one target + head; the `*_per_key` terms scale with the
+    committed prefix (attention). step = a 1-token target forward, node = each further verified node,
+    level = one draft level (forward + tree ops), ingest = the draft's ingest of a round's tokens."""
+    step: float
+    step_per_key: float
+    node: float
+    node_per_key: float
+    level: float
+    ingest: float
+
+    def at(self, prefix_len: int) -> tuple[float, float]:
+        """(step, node) milliseconds after a prefix of prefix_len tokens."""
+        return (max(1e-3, self.step + self.step_per_key * prefix_len),
+                max(0.0, self.node + self.node_per_key * prefix_len))
+
+    def plan(self, prefix_len: int) -> "RoundPlan":
+        """What `DraftRunner.build_tree` needs for one round after prefix_len committed tokens."""
+        step, node = self.at(prefix_len)
+        return RoundPlan(grow_threshold=(self.level + node) / step, base_ms=self.ingest + step,
+                         level_ms=self.level, node_ms=node)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One round's sizing: grow another level while the frontier's best pi >= grow_threshold; verify
+    cost_width(scores, base_ms + levels grown x level_ms, node_ms) drafted nodes."""
+    grow_threshold: float
+    base_ms: float
+    level_ms: float
+    node_ms: float
+
+
+def cost_width(sorted_scores: torch.Tensor, base_ms: float, node_ms: float, cap: int) -> int:
+    """How many of the best candidates to verify. sorted_scores: cumulative draft log-probabilities,
+    descending. -> the m in [0, cap] maximising (1 + sum_{i<m} exp(score_i)) / (base_ms + node_ms * m);
+    ties to the smaller m."""
+    m_max = min(cap, sorted_scores.numel())
+    gain = torch.cat([sorted_scores.new_zeros(1), sorted_scores[:m_max].float().exp().cumsum(0)]) + 1.0
+    cost = base_ms + node_ms * torch.arange(m_max + 1, dtype=gain.dtype, device=gain.device)
+    return int(torch.argmax(gain / cost))  # argmax returns the first maximum
+
+
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for i in range(reps + 2):
+        t0 = time.perf_counter()
+        fn()
+        if i >= 2:  # two warm-ups
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def probe_tree(n: int) -> Tree:
+    """A verify-shaped tree of n nodes: each node's parent is node (i - 1) // 2 (depth ~log2 n)."""
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, n)])
+    depth = torch.zeros(n, dtype=torch.long)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+        mask[i] |= mask[parents[i]]
+    return Tree(torch.arange(n) + 1, parents, depth, mask)
+
+
+@torch.no_grad()
+def measure_round_costs(target, draft, top_k: int, prefixes: tuple[int, int] = (64, 448), nodes: int = 9,
+                        reps: int = 5) -> RoundCosts:
+    """Time the target's 1-token step and a `nodes`-node verify after two prefix lengths (medians of reps),
+    one draft level and one ingest; the draft's cache is reset after. target: infer.target.TargetRunner,
+    draft: infer.draft.DraftRunner."""
+    vocab = target.model.config.vocab_size if hasattr(target.model.config, "vocab_size") else 1000
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, max(4, min(vocab, 32000)), (max(prefixes) + nodes,), generator=gen)
+    tree = probe_tree(nodes)
+    step, node = [], []
+    empty = torch.zeros(0, dtype=torch.long)
+    for p in prefixes:
+        cache = target.new_cache()
+        _, aux = target.forward(ids[:p], torch.arange(p), cache, last_only=True)
+
+        def one(tokens, positions, mask=None):
+            target.forward(tokens, positions, cache, mask)
+            target.compact(cache, empty, empty, p)
+
+        t1 = _median_ms(lambda: one(ids[p:p + 1], torch.tensor([p])), reps)
+        masks = target.verify_masks(tree, p)
+        tn = _median_ms(lambda: one(ids[p:p + nodes], tree.positions(p), masks), reps)
+        step.append(t1)
+        node.append(max(0.0, (tn - t1) / (nodes - 1)))
+    span = prefixes[1] - prefixes[0]
+    step_slope, node_slope = (step[1] - step[0]) / span, (node[1] - node[0]) / span
+    level, ingest = _draft_costs(draft, aux, ids, prefixes[0], top_k, reps)
+    return RoundCosts(step=step[0] - step_slope * prefixes[0], step_per_key=step_slope,
+                      node=node[0] - node_slope * prefixes[0], node_per_key=node_slope, level=level, ingest=ingest)
+
+
+def _draft_costs(draft, aux: torch.Tensor, ids: torch.Tensor, p: int, top_k: int, reps: int
+                 ) -> tuple[float, float]:
+    """(one draft level, an ingest of 3 tokens) in ms after a p-token prefix; the draft is reset after."""
+    draft.reset()
+    hid, dlog = draft.ingest(aux[:p - 3], ids[1:p - 2], torch.arange(p - 3))
+    committed = draft.cache.committed
+
+    def ingest():
+        draft.cache.committed = committed
+        draft.ingest(aux[p - 3:p], ids[p - 2:p + 1], torch.arange(p - 3, p))
+
+    t_ingest = _median_ms(ingest, reps)
+    draft.cache.committed = committed
+    grow = [_median_ms(lambda: draft.build_tree(int(ids[p]), hid, dlog, p - 1, top_k, d, 2), reps) for d in (1, 3)]
+    draft.reset()
+    return max(0.0, (grow[1] - grow[0]) / 2), t_ingest

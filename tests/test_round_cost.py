@@ -1,0 +1,70 @@
+"""Cost-sized trees (infer/round_cost.py): the width rule, the measured costs, and lossless output."""
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from infer.generate import EagleGenerator, SpecSettings
+from infer.round_cost import RoundCosts, cost_width, measure_round_costs, probe_tree
+from pipeline.target import default_aux_layers
+from test_generate import hf_greedy, prompts, random_head
+from test_pipeline_capture import make_random_target
+
+
+def test_cost_width_maximises_tokens_per_ms():
+    scores = torch.tensor([0.9, 0.8, 0.3, 0.05]).log()
+    # by hand: gains 1, 1.9, 2.7, 3.0, 3.05 over costs 3, 4, 5, 6, 7 -> 0.333, 0.475, 0.54, 0.5, 0.436
+    assert cost_width(scores, 3.0, 1.0, cap=4) == 2
+    assert cost_width(scores, 3.0, 1.0, cap=1) == 1  # the cap binds
+    assert cost_width(scores, 3.0, 0.0, cap=4) == 4  # free nodes: all of them
+    assert cost_width(scores, 3.0, 100.0, cap=4) == 0  # dear nodes: the root alone (a plain step)
+    assert cost_width(scores[:0], 3.0, 1.0, cap=4) == 0
+
+
+def test_probe_tree_is_connected():
+    t = probe_tree(9)
+    assert t.parents.tolist() == [-1, 0, 0, 1, 1, 2, 2, 3, 3]
+    assert t.depth.tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 3]
+    assert t.mask[8].nonzero().flatten().tolist() == [0, 1, 3, 8]
+
+
+@pytest.fixture(scope="module")
+def random_generator(tiny_target, tmp_path_factory):
+    folder = make_random_target("llama", tiny_target, tmp_path_factory.mktemp("cost") / "llama")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return EagleGenerator(model, AutoTokenizer.from_pretrained(folder), random_head(model.config, dtype=torch.float32),
+                          default_aux_layers(model.config.num_hidden_layers))
+
+
+def test_measured_costs_are_sane(random_generator):
+    gen = random_generator
+    c = measure_round_costs(gen.target, gen.draft, top_k=4, reps=3)
+    step, node = c.at(100)
+    assert 0 < step < 1000 and 0 <= node < step and 0 < c.level < 1000 and 0 < c.ingest < 1000
+    plan = c.plan(100)
+    assert math.isclose(plan.grow_threshold, (c.level + node) / step)
+    assert gen.draft.cache.committed == 0  # the draft is left reset
+
+
+def test_cost_sizing_regimes_on_random_head(random_generator, demo_corpus):
+    """Free nodes and levels: the fixed tree exactly; prohibitive ones: a plain step per round; both
+    token-identical to HF greedy."""
+    gen = random_generator
+    free = RoundCosts(step=1.0, step_per_key=0.0, node=0.0, node_per_key=0.0, level=0.0, ingest=0.0)
+    dear = RoundCosts(step=1.0, step_per_key=0.0, node=50.0, node_per_key=0.0, level=50.0, ingest=0.0)
+    fixed = SpecSettings(top_k=3, depth=3, total_tokens=8, max_new_tokens=16)
+    for ids in prompts(gen.tokenizer, demo_corpus, n=4):
+        want = hf_greedy(gen.target.model, ids, 16)
+        base = gen.generate(ids, fixed)
+        gen.costs = free
+        got = gen.generate(ids, fixed.model_copy(update={"sizing": "cost"}))
+        assert got.tokens == want == base.tokens
+        assert (got.stats.accepted, got.stats.nodes, got.stats.levels) == \
+            (base.stats.accepted, base.stats.nodes, base.stats.levels)
+        assert got.stats.nodes == 8 * got.stats.rounds and got.stats.levels == 3 * got.stats.rounds
+        gen.costs = dear
+        got = gen.generate(ids, fixed.model_copy(update={"sizing": "cost"}))
+        assert got.tokens == want
+        assert got.stats.nodes == got.stats.rounds == got.stats.levels and sum(got.stats.accepted) == 0
+    gen.costs = None
