@@ -24,7 +24,7 @@ def server(ray_cluster, tiny_target, tiny_head):
 
     cfg = ServeConfig(target=tiny_target, head=tiny_head, model_name=MODEL, port=_free_port(),
                       num_cpus_per_replica=0, threads_per_replica=1, max_tokens_limit=64, request_timeout_s=60,
-                      max_ongoing_requests=80)
+                      max_ongoing_requests=80, speculative={"sizing": "cost"})  # as configs/serve/*.yaml
     url = start(cfg)
     yield url
     serve.shutdown()

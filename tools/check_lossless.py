@@ -31,6 +31,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--total-tokens", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--sizing", choices=["fixed", "cost"], default="fixed",
+                    help="cost: the shape as caps, each round sized by measured costs (infer/round_cost.py)")
     ap.add_argument("--fused-verify", action="store_true",
                     help="below fp32: one masked SDPA call per layer instead of the exact verify attention")
     args = ap.parse_args(argv)
@@ -40,7 +42,7 @@ def main(argv=None) -> dict:
     texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n)
     texts = texts[: args.n]
     s = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens,
-                     max_new_tokens=args.max_new_tokens)
+                     max_new_tokens=args.max_new_tokens, sizing=args.sizing)
     matched, mismatches, stats = 0, [], []
     for i, text in enumerate(texts):
         ids = chat_ids(gen.tokenizer, text)
