@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.tree import Tree
+from pipeline.target import text_config
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,12 @@ def cost_width(sorted_scores: torch.Tensor, base_ms: float, node_ms: float, cap:
     return int(torch.argmax(gain / cost))  # argmax returns the first maximum
 
 
-def _median_ms(fn, reps: int) -> float:
+def _median_ms(fn, reps: int, sync=lambda: None) -> float:
     times = []
     for i in range(reps + 2):
         t0 = time.perf_counter()
         fn()
+        sync()  # a GPU's queued kernels count too
         if i >= 2:  # two warm-ups
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
@@ -95,9 +97,10 @@ def measure_round_costs(target, draft, top_k: int, prefixes: tuple[int, int] = (
     """Time the target's 1-token step and a `nodes`-node verify after two prefix lengths (medians of reps),
     one draft level and one ingest; the draft's cache is reset after. target: infer.target.TargetRunner,
     draft: infer.draft.DraftRunner."""
-    vocab = target.model.config.vocab_size if hasattr(target.model.config, "vocab_size") else 1000
+    vocab = text_config(target.model.config).vocab_size
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, max(4, min(vocab, 32000)), (max(prefixes) + nodes,), generator=gen)
+    ids = torch.randint(3, vocab, (max(prefixes) + nodes,), generator=gen)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     tree = probe_tree(nodes)
     step, node = [], []
     empty = torch.zeros(0, dtype=torch.long)
@@ -109,31 +112,34 @@ def measure_round_costs(target, draft, top_k: int, prefixes: tuple[int, int] = (
             target.forward(tokens, positions, cache, mask)
             target.compact(cache, empty, empty, p)
 
-        t1 = _median_ms(lambda: one(ids[p:p + 1], torch.tensor([p])), reps)
+        t1 = _median_ms(lambda: one(ids[p:p + 1], torch.tensor([p])), reps, sync)
         masks = target.verify_masks(tree, p)
-        tn = _median_ms(lambda: one(ids[p:p + nodes], tree.positions(p), masks), reps)
+        tn = _median_ms(lambda: one(ids[p:p + nodes], tree.positions(p), masks), reps, sync)
         step.append(t1)
         node.append(max(0.0, (tn - t1) / (nodes - 1)))
     span = prefixes[1] - prefixes[0]
     step_slope, node_slope = (step[1] - step[0]) / span, (node[1] - node[0]) / span
-    level, ingest = _draft_costs(draft, aux, ids, prefixes[0], top_k, reps)
+    level, ingest = _draft_costs(draft, aux, ids, prefixes[0], top_k, reps, sync)
     return RoundCosts(step=step[0] - step_slope * prefixes[0], step_per_key=step_slope,
                       node=node[0] - node_slope * prefixes[0], node_per_key=node_slope, level=level, ingest=ingest)
 
 
-def _draft_costs(draft, aux: torch.Tensor, ids: torch.Tensor, p: int, top_k: int, reps: int
+def _draft_costs(draft, aux: torch.Tensor, ids: torch.Tensor, p: int, top_k: int, reps: int, sync
                  ) -> tuple[float, float]:
     """(one draft level, an ingest of 3 tokens) in ms after a p-token prefix; the draft is reset after."""
+    dev = aux.device
+    ids = ids.to(dev)
     draft.reset()
-    hid, dlog = draft.ingest(aux[:p - 3], ids[1:p - 2], torch.arange(p - 3))
+    hid, dlog = draft.ingest(aux[:p - 3], ids[1:p - 2], torch.arange(p - 3, device=dev))
     committed = draft.cache.committed
 
     def ingest():
         draft.cache.committed = committed
-        draft.ingest(aux[p - 3:p], ids[p - 2:p + 1], torch.arange(p - 3, p))
+        draft.ingest(aux[p - 3:p], ids[p - 2:p + 1], torch.arange(p - 3, p, device=dev))
 
-    t_ingest = _median_ms(ingest, reps)
+    t_ingest = _median_ms(ingest, reps, sync)
     draft.cache.committed = committed
-    grow = [_median_ms(lambda: draft.build_tree(int(ids[p]), hid, dlog, p - 1, top_k, d, 2), reps) for d in (1, 3)]
+    grow = [_median_ms(lambda: draft.build_tree(int(ids[p]), hid, dlog, p - 1, top_k, d, 2), reps, sync)
+            for d in (1, 3)]
     draft.reset()
     return max(0.0, (grow[1] - grow[0]) / 2), t_ingest
