@@ -192,9 +192,11 @@ class EagleGenerator:
     def stream(self, prompt_ids: list[int], s: SpecSettings = SpecSettings()):
         """Yields a Generation after the prefill and after every round (tokens so far, stats, finish
         reason None until the last). Closing the iterator stops decoding between rounds."""
+        mode = s.mode if self.draft is not None else "vanilla"
+        if s.sizing == "cost" and mode != "vanilla":  # measured once, before this decode's clock starts
+            self.round_costs(1 if mode == "chain" else s.top_k)
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
-        mode = s.mode if self.draft is not None else "vanilla"
         depth = 0 if mode == "vanilla" else s.depth
         stats = SpecStats(depth=depth)
         cache = self.target.new_cache()
