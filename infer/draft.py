@@ -56,6 +56,7 @@ class DraftRunner:
         self.script_args = self._script_args() if self.head is not head else None
         self.level_logits: list[torch.Tensor] = []  # the last tree's draft logits per level (tests read it)
         self.levels = 0  # draft levels the last tree grew (the root's children count as one)
+        self.table: CandidateTable | None = None  # the last tree's candidates, kept or not
 
     def reset(self) -> None:
         self.cache.committed = 0
@@ -175,5 +176,5 @@ class DraftRunner:
             scores = torch.sort(table.scores[:table.n], descending=True).values
             base = plan.base_ms + (levels - 1) * plan.level_ms
             total_tokens = 1 + cost_width(scores, base, plan.node_ms, total_tokens - 1)
-        self.levels = levels
+        self.levels, self.table = levels, table  # tools/replay_sizing.py reads every candidate
         return finalize_tensor(root_token, table, rerank_tensor(table, total_tokens))
