@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from infer.exact_attention import PathGroups, path_attention, rounding_block
-from infer.packed_linear import PackedLinear, packing_unsupported
+from infer.packed_linear import PackedLinear, packing_unsupported, rows_depend_on_count
 from infer.scripted_layer import attention_inputs, output_and_mlp
 from pipeline.target import FULL, attention_layout, text_config
 
@@ -87,8 +87,12 @@ class LeanTarget:
         # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits.
         self.exact_attention = exact_verify and self.weight.dtype != torch.float32
         self.block = 1  # exact verify: rows padded within blocks of this many keys (infer/exact_attention.py)
+        # exact verify: [qkv, o, gate_up, down, lm_head] called a row at a time, where this CPU's GEMM rounds
+        # a row of a multi-row call differently from its 1-row call (packed_linear.rows_depend_on_count)
+        self.row_wise = [False] * 5
         if self.exact_attention:
             self.block = rounding_block(self.heads, self.kv_heads, self.head_dim, self.weight)
+            self.row_wise = self._row_wise()
 
     @classmethod
     def build(cls, model, aux_layer_ids: list[int], exact_verify: bool = True) -> "LeanTarget | None":
@@ -132,6 +136,7 @@ class LeanTarget:
         if causal and start > 0:  # new rows see the whole prefix and each other causally
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
             causal = False
+        rows = self.row_wise if isinstance(mask, PathGroups) else [False] * 5
         x = self.inner.embed_tokens(tokens)[None]
         cos, sin = self.inner.rotary_emb(x, positions[None])  # [1, n, D]
         aux = []
@@ -140,48 +145,73 @@ class LeanTarget:
             cos, sin = cos[:, :, None], sin[:, :, None]  # for q and k rows laid out [1, n, heads, D]
         for i, layer in enumerate(self.inner.layers):
             if scripted:
-                x = self._layer_scripted(self.script_args[i], x, cos, sin, cache.kv[i], start, end, mask, causal)
+                x = self._layer_scripted(self.script_args[i], x, cos, sin, cache.kv[i], start, end, mask, causal,
+                                         rows)
             else:
                 x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal,
-                                self.packed["layers"][i] if self.packed else None)
+                                self.packed["layers"][i] if self.packed else None, rows)
             if i in self.aux_layer_ids:
                 aux.append(x[0])
         cache.length = end
         h = self.inner.norm(x[:, -1:] if last_only else x)
         lm_head = self.packed["lm_head"] if self.packed else self.model.lm_head
-        return lm_head(h)[0].float(), torch.cat(aux, dim=-1)
+        return by_rows(lm_head, h, rows[4])[0].float(), torch.cat(aux, dim=-1)
 
     def _layer(self, layer, x, cos, sin, kv, start: int, end: int, mask, causal: bool,
-               packed: dict | None) -> torch.Tensor:
+               packed: dict | None, rows: list[bool]) -> torch.Tensor:
         """One decoder layer in HF's order through the model's modules (fp32, Qwen3's q/k norms, or a
         layer the script does not reproduce); writes this layer's K/V (kv [2, kv_heads, capacity, D]).
-        packed: this layer's oneDNN-packed q|k|v, o, gate|up and down (or None: the modules' own)."""
+        packed: this layer's oneDNN-packed q|k|v, o, gate|up and down (or None: the modules' own).
+        rows: `row_wise` for a verify (without packing, the MLP runs a row at a time as one unit)."""
         a, n, D = layer.self_attn, x.shape[1], self.head_dim
         h = layer.input_layernorm(x)
         if packed:
-            q, k, v = packed["qkv"](h).split(packed["qkv_sizes"], dim=-1)
+            q, k, v = by_rows(packed["qkv"], h, rows[0]).split(packed["qkv_sizes"], dim=-1)
         else:
-            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q, k, v = by_rows(lambda r: torch.cat([a.q_proj(r), a.k_proj(r), a.v_proj(r)], dim=-1), h,
+                              rows[0]).split([a.q_proj.out_features, a.k_proj.out_features,
+                                              a.v_proj.out_features], dim=-1)
         q, k = q.view(1, n, self.heads, D), k.view(1, n, self.kv_heads, D)
         if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = v.view(1, n, self.kv_heads, D).transpose(1, 2)
-        x = x + (packed["o"] if packed else a.o_proj)(self._attend(q, k, v, kv, start, end, mask, causal))
+        x = x + by_rows(packed["o"] if packed else a.o_proj, self._attend(q, k, v, kv, start, end, mask, causal),
+                        rows[1])
         h = layer.post_attention_layernorm(x)
         if not packed:
-            return x + layer.mlp(h)
-        gate, up = packed["gate_up"](h).chunk(2, dim=-1)
-        return x + packed["down"](layer.mlp.act_fn(gate) * up)
+            return x + by_rows(layer.mlp, h, rows[2] or rows[3])
+        gate, up = by_rows(packed["gate_up"], h, rows[2]).chunk(2, dim=-1)
+        return x + by_rows(packed["down"], layer.mlp.act_fn(gate) * up, rows[3])
 
-    def _layer_scripted(self, args: tuple, x, cos, sin, kv, start: int, end: int, mask, causal: bool):
+    def _layer_scripted(self, args: tuple, x, cos, sin, kv, start: int, end: int, mask, causal: bool,
+                        rows: list[bool]):
         """`_layer` for a packed Llama-shaped layer, in its two TorchScript halves (infer/scripted_layer.py)
         around the attention; args: this layer's `script_args` entry."""
         norm1, eps1, qkv, qkv_b, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b = args
         q, k, v = attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
-                                   self.head_dim)
+                                   self.head_dim, rows[:4])
         attn = self._attend(q, k, v, kv, start, end, mask, causal)
-        return output_and_mlp(x, attn, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b)
+        return output_and_mlp(x, attn, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b, rows[:4])
+
+    def _row_wise(self) -> list[bool]:
+        """[qkv, o, gate_up, down, lm_head]: which of layer 0's linears (as the forward calls them; every
+        layer has the same shapes) and the lm_head round a row differently in a multi-row call."""
+        layer, H = self.inner.layers[0], self.inner.embed_tokens.weight.shape[1]
+        a, mlp, p = layer.self_attn, layer.mlp, self.packed["layers"][0] if self.packed else None
+        qkv = p["qkv"] if p else (lambda r: torch.cat([a.q_proj(r), a.k_proj(r), a.v_proj(r)], dim=-1))
+        width = a.o_proj.in_features
+        if p:
+            mlp_parts = [(p["gate_up"], H), (p["down"], mlp.down_proj.in_features)]
+        else:  # the modules' path calls the MLP as one unit
+            mlp_parts = [(mlp, H)] * 2
+        lm_head = self.packed["lm_head"] if self.packed else self.model.lm_head
+        parts = [(qkv, H), (p["o"] if p else a.o_proj, width), *mlp_parts, (lm_head, H)]
+        rows = [rows_depend_on_count(fn, k, self.weight) for fn, k in parts]
+        if any(rows):
+            log.info("exact verify calls %s a row at a time: their multi-row calls round otherwise here",
+                     [n for n, r in zip(("qkv", "o", "gate_up", "down", "lm_head"), rows) if r])
+        return rows
 
     def _attend(self, q, k, v, kv, start: int, end: int, mask, causal: bool) -> torch.Tensor:
         """Write k, v [1, kv_heads, n, D] at slots [start, end); attend q [1, heads, n, D] -> [1, n, heads * D]."""
@@ -212,12 +242,21 @@ class LeanTarget:
         x = torch.randn(1, 5, self.inner.embed_tokens.weight.shape[1], generator=gen).to(self.weight)
         cos, sin = self.inner.rotary_emb(x, torch.arange(5, device=x.device)[None])
         kv = [self.weight.new_zeros(2, self.kv_heads, 8, self.head_dim) for _ in range(2)]
-        want = self._layer(self.inner.layers[0], x, cos, sin, kv[0], 0, 5, None, True, self.packed["layers"][0])
-        got = self._layer_scripted(args[0], x, cos[:, :, None], sin[:, :, None], kv[1], 0, 5, None, True)
+        batched = [False] * 5
+        want = self._layer(self.inner.layers[0], x, cos, sin, kv[0], 0, 5, None, True, self.packed["layers"][0],
+                           batched)
+        got = self._layer_scripted(args[0], x, cos[:, :, None], sin[:, :, None], kv[1], 0, 5, None, True, batched)
         if torch.equal(got, want) and torch.equal(kv[0], kv[1]):
             return args
         log.info("lean target keeps the modules' layer: the scripted layer's probe differs")
         return None
+
+
+def by_rows(linear, x: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """linear(x) for x [1, n, K]; per_row: one call per row (see LeanTarget.row_wise)."""
+    if not per_row or x.shape[1] == 1:
+        return linear(x)
+    return torch.cat([linear(x[:, i:i + 1]) for i in range(x.shape[1])], dim=1)
 
 
 def pack_layers(model) -> dict | None:

@@ -51,6 +51,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
 
 
 @script
+def linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], per_row: bool) -> torch.Tensor:
+    """packed_linear of x [1, n, K]; per_row: one 1-row call per row, for a linear whose rows round
+    differently in a multi-row call (infer/packed_linear.rows_depend_on_count)."""
+    if not per_row or x.shape[1] == 1:
+        return packed_linear(x, packed, bias)
+    outs: List[torch.Tensor] = []
+    for i in range(x.shape[1]):
+        outs.append(packed_linear(x[:, i:i + 1], packed, bias))
+    return torch.cat(outs, dim=1)
+
+
+@script
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's rotation `x * cos + rotate_half(x) * sin`, op for op (so bit for bit), on x [1, n, heads, D]
     with cos, sin [1, n, 1, D]: q and k heads side by side in one pass."""
@@ -80,10 +92,10 @@ def qkv_rows(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
 @script
 def attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv: torch.Tensor,
                      qkv_bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                     kv_heads: int, head_dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     kv_heads: int, head_dim: int, per_row: List[bool]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [1, n, H] -> q [1, heads, n, D], k, v [1, kv_heads, n, D]: input norm, packed q|k|v, q and k
-    rotated together (cos, sin [1, n, 1, D])."""
-    out = packed_linear(rms_norm(x, norm_weight, eps), qkv, qkv_bias)
+    rotated together (cos, sin [1, n, 1, D]). per_row: [qkv, o, gate_up, down] called a row at a time."""
+    out = linear_rows(rms_norm(x, norm_weight, eps), qkv, qkv_bias, per_row[0])
     return qkv_rows(out, cos, sin, heads, kv_heads, head_dim)
 
 
@@ -91,11 +103,11 @@ def attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv
 def output_and_mlp(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias: Optional[torch.Tensor],
                    norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
                    gate_up_bias: Optional[torch.Tensor], down: torch.Tensor,
-                   down_bias: Optional[torch.Tensor]) -> torch.Tensor:
+                   down_bias: Optional[torch.Tensor], per_row: List[bool]) -> torch.Tensor:
     """The rest of the layer: x + o(attn), then + down(silu(gate) * up) of its post-attention norm."""
-    x = x + packed_linear(attn, o, o_bias)
-    gate, up = packed_linear(rms_norm(x, norm_weight, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
-    return x + packed_linear(F.silu(gate) * up, down, down_bias)
+    x = x + linear_rows(attn, o, o_bias, per_row[1])
+    gate, up = linear_rows(rms_norm(x, norm_weight, eps), gate_up, gate_up_bias, per_row[2]).chunk(2, dim=-1)
+    return x + linear_rows(F.silu(gate) * up, down, down_bias, per_row[3])
 
 
 @script

@@ -12,7 +12,7 @@ import transformers as T
 from infer.generate import EagleGenerator, SpecSettings
 from infer.exact_attention import PathGroups
 from infer.lean_target import LeanTarget
-from infer.packed_linear import PackedLinear, packing_unsupported, with_packed_linears
+from infer.packed_linear import PackedLinear, packing_unsupported, rows_depend_on_count, with_packed_linears
 from infer.tree import Candidates, finalize
 from pipeline.target import default_aux_layers
 from trainer.head import Eagle3Head, head_config_from_target
@@ -27,6 +27,9 @@ FAMILIES = {
     "llama": lambda: T.LlamaConfig(**COMMON, head_dim=32),
     "qwen2": lambda: T.Qwen2Config(**COMMON),  # q/k/v biases: the fused q|k|v bias
     "qwen3": lambda: T.Qwen3Config(**COMMON, head_dim=32),
+    # a down projection over 1536 inputs: on a CPU without AMX its multi-row calls round some rows
+    # differently from 1-row calls (SmolLM2's shape), so the exact verify calls it a row at a time
+    "llama_k1536": lambda: T.LlamaConfig(**{**COMMON, "intermediate_size": 1536}, head_dim=32),
 }
 
 
@@ -60,6 +63,41 @@ def test_packed_linear_is_f_linear_bit_for_bit_at_any_row_count(bias):
     assert torch.equal(lin(x), want)
     for rows in (1, 2, 7, 16):  # a row does not change with how many rows share the call
         assert torch.equal(lin(x[:, 5:5 + rows]), want[:, 5:5 + rows])
+
+
+def test_rows_depend_on_count_tells_apart():
+    w = torch.randn(24, 40, generator=torch.Generator().manual_seed(0)).bfloat16()
+    row_by_row = lambda x: torch.cat([F.linear(x[:, i:i + 1], w) for i in range(x.shape[1])], dim=1)  # noqa: E731
+    assert not rows_depend_on_count(row_by_row, 40, w)
+    nudged = lambda x: row_by_row(x) + (x.shape[1] > 1) * 2.0 ** -6  # noqa: E731 - a multi-row call rounds up
+    assert rows_depend_on_count(nudged, 40, w)
+
+
+def test_wide_down_projection_is_verified_row_by_row_where_needed():
+    m = bf16_model(FAMILIES["llama_k1536"]())
+    lean = LeanTarget.build(m, default_aux_layers(6))
+    down = m.model.layers[0].mlp.down_proj.weight
+    assert lean.row_wise[3] == rows_depend_on_count(lambda x: F.linear(x, down), 1536, down)
+    assert lean.row_wise[:3] == [False, False, False]  # 128 inputs: one order at any row count here
+
+
+def test_verified_chains_equal_one_token_steps_with_a_wide_mlp():
+    """Many 16-token chains verified in one forward each, against the same tokens decoded one at a time:
+    every row's logits bit for bit. With a 1536-input down projection, a multi-row call rounds a few
+    outputs in 10^4 differently on a CPU without AMX: over these 8 x 16 rows x 6 layers some do, so
+    without the row-at-a-time verify (`row_wise`) this fails there."""
+    m = bf16_model(FAMILIES["llama_k1536"]())
+    lean = LeanTarget.build(m, default_aux_layers(6))
+    n = 16
+    for trial in range(8):
+        ids = ids_of(10 + trial, 40 + n)
+        steps, verify = lean.new_cache(), lean.new_cache()
+        for cache in (steps, verify):
+            lean.forward(ids[:40], torch.arange(40), cache, last_only=True)
+        want = torch.cat([lean.forward(ids[40 + i:41 + i], torch.tensor([40 + i]), steps)[0] for i in range(n)])
+        keep = torch.cat([torch.ones(n, 40, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+        got, _ = lean.forward(ids[40:], torch.arange(40, 40 + n), verify, keep[None, None])
+        assert torch.equal(got, want), (trial, (got - want).abs().amax(-1).tolist())
 
 
 def test_only_bf16_is_packed():
