@@ -4,57 +4,20 @@ attention").
 Greedy speculative decoding is lossless only if each verified row's logits are the ones the target
 computes when it decodes that row's path one token at a time, as HF generate does. In bf16, SDPA's CPU
 kernel rounds a row of a masked multi-row call differently from that row's own unmasked 1-token call, and
-greedy output changes. Measured rule of the kernel (fp32 accumulation in vectors of `block` lanes,
-remainders summed apart): a 1-row call over L keys gives the same bits as one over L' >= L keys with keys
-L.. masked, iff L and L' fall in the same block of `block` keys (L // block == L' // block). Keys masked
-in the middle, or keys in another order, can change the bits (3 and 17 of 60 prefixes tried). So a
-verify runs one SDPA call per block class of rows: each row's keys gathered in position order (the
-shared prefix expanded, then its own ancestors), padded with masked keys to the class's longest row, the
-rows as the batch. `rounding_block` checks the
-rule on this CPU and this head shape once, and falls back to block 1 (one call per key length) if it fails.
+greedy output changes. So a verify makes one SDPA call per key count: the rows that see that many keys
+are the batch, each with exactly its own keys in position order (the shared prefix expanded, then its own
+ancestors), as its 1-token step saw them. Padding rows with masked keys up to a longer row's count kept
+the bits on random probes within blocks of 16 keys, but not always on real activations (SmolLM2 on an
+AVX-512 EPYC: 2 rows of ~580 in one decode), so no row is padded (`PathGroups(block=1)`).
 """
 from __future__ import annotations
 
-import functools
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from infer.scripted_layer import script
-
-
-def padded_equals_exact(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-                        block: int, max_len: int = 1100) -> bool:
-    """Does padding a 1-row SDPA call with masked keys inside its block of `block` keys keep its bits,
-    for every key length up to max_len (crossing the kernel's 512-key splits)? Random data, fixed seed."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, heads, 1, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(1, kv_heads, max_len + block, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(1, kv_heads, max_len + block, head_dim, generator=gen).to(device, dtype)
-    for length in range(1, max_len + 1):
-        want = F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
-        end = (length // block + 1) * block - 1  # the last length of this block
-        for padded in sorted({length + 1, (length + end) // 2, end} - {length}) if end > length else []:
-            keep = torch.arange(padded, device=device) < length
-            got = F.scaled_dot_product_attention(q, k[:, :, :padded], v[:, :, :padded],
-                                                 attn_mask=keep[None, None, None], enable_gqa=True)
-            if not torch.equal(got, want):
-                return False
-    return True
-
-
-@functools.cache
-def _rounding_block(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str) -> int:
-    for block in (16, 8):
-        if padded_equals_exact(heads, kv_heads, head_dim, dtype, device, block):
-            return block
-    return 1
-
-
-def rounding_block(heads: int, kv_heads: int, head_dim: int, like: torch.Tensor) -> int:
-    """The widest block inside which masked padding keeps a 1-row call's bits here (16, 8, else 1)."""
-    return _rounding_block(heads, kv_heads, head_dim, like.dtype, like.device.type)
 
 
 class PathGroups:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from infer.exact_attention import PathGroups, path_attention, rounding_block
+from infer.exact_attention import PathGroups, path_attention
 from infer.packed_linear import PackedLinear, packing_unsupported, rows_depend_on_count
 from infer.scripted_layer import attention_inputs, output_and_mlp
 from pipeline.target import FULL, attention_layout, text_config
@@ -86,12 +86,11 @@ class LeanTarget:
         # Below fp32, a masked verify row does not round like the 1-token step that HF generate takes
         # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits.
         self.exact_attention = exact_verify and self.weight.dtype != torch.float32
-        self.block = 1  # exact verify: rows padded within blocks of this many keys (infer/exact_attention.py)
+        self.block = 1  # exact verify: one SDPA call per key count, no padding (infer/exact_attention.py)
         # exact verify: [qkv, o, gate_up, down, lm_head] called a row at a time, where this CPU's GEMM rounds
         # a row of a multi-row call differently from its 1-row call (packed_linear.rows_depend_on_count)
         self.row_wise = [False] * 5
         if self.exact_attention:
-            self.block = rounding_block(self.heads, self.kv_heads, self.head_dim, self.weight)
             self.row_wise = self._row_wise()
 
     @classmethod

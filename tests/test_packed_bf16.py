@@ -152,16 +152,14 @@ def test_a_layer_the_script_does_not_reproduce_keeps_the_modules_path():
         assert torch.equal(logits, m(input_ids=ids[None]).logits[0].float())
 
 
-@pytest.mark.parametrize("block", ["probed", 1])
 @pytest.mark.parametrize("order", ["creation", "shuffled"])
-def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order, block):
+def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order):
     """Every node's logits from one verify forward equal HF decoding that node's path one token at a time
     after the same prefix: the verify rounds like the steps it replaces. "shuffled" lays the nodes out in
-    an order that is not depth by depth (the gathered-rows path). block 1: one SDPA call per key count;
-    "probed": rows padded within the kernel's rounding block (infer/exact_attention.py)."""
+    an order that is not depth by depth (the gathered-rows path); one SDPA call per key count."""
     name, m = model
     lean = LeanTarget.build(m, default_aux_layers(6))
-    lean.block = lean.block if block == "probed" else 1
+    assert lean.block == 1
     prefix = ids_of(2, 60)
     cands = Candidates([11, 12, 13, 14, 15, 16], [-1, -1, 0, 0, 2, 4], [-.1, -.2, -.3, -.4, -.5, -.6],
                        [1, 1, 2, 2, 3, 4])
@@ -172,8 +170,7 @@ def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order, b
     additive = torch.zeros(hidden.shape, dtype=torch.bfloat16).masked_fill(hidden, float("-inf"))
     positions = tree.positions(60)[perm]
     paths = PathGroups(additive, torch.cat([torch.arange(60), positions]), lean.block)
-    # keys seen: 61..65 (depths 0..4); 60 // 16 = 3 = 63 // 16, 64 // 16 = 4
-    assert len(paths.groups) == {1: 5, 8: 2, 16: 2}[lean.block]
+    assert len(paths.groups) == 5  # keys seen: 61..65 (depths 0..4)
     assert paths.in_order == (order == "creation")
     cache = lean.new_cache()
     lean.forward(prefix, torch.arange(60), cache, last_only=True)
@@ -221,14 +218,13 @@ def random_tree_mask(n: int, prefix: int, gen: torch.Generator) -> tuple[torch.T
 
 
 def test_path_attention_rows_equal_their_own_unmasked_calls():
-    """Kernel-level: every row of path_attention (with the probed rounding block) has the bits of an
-    unmasked 1-row SDPA call over exactly its keys, across prefixes that cross 16-key blocks and the
-    kernel's 512-key split; padding across blocks (block 64) does not, so this test can tell."""
-    from infer.exact_attention import path_attention, rounding_block
+    """Kernel-level: every row of path_attention (one call per key count) has the bits of an unmasked
+    1-row SDPA call over exactly its keys, across prefixes that cross the kernel's 512-key split; padding
+    rows to a common length (block 64) does not, so this test can tell."""
+    from infer.exact_attention import path_attention
     gen = torch.Generator().manual_seed(0)
     heads, kvh, D = 8, 2, 64
-    block = rounding_block(heads, kvh, D, torch.zeros(1, dtype=torch.bfloat16))
-    assert block in (8, 16)  # oneDNN bf16 CPUs: AVX-512 (16 fp32 lanes) or AVX2 (8)
+    block = 1
     differs_at_64 = 0
     for prefix in (45, 60, 100, 250, 505):
         n = 16
