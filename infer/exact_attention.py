@@ -8,7 +8,7 @@ greedy output changes. So a verify makes one SDPA call per key count: the rows t
 are the batch, each with exactly its own keys in position order (the shared prefix expanded, then its own
 ancestors), as its 1-token step saw them. Padding rows with masked keys up to a longer row's count kept
 the bits on random probes within blocks of 16 keys, but not always on real activations (SmolLM2 on an
-AVX-512 EPYC: 2 rows of ~580 in one decode), so no row is padded (`PathGroups(block=1)`).
+AVX-512 EPYC: 2 rows of ~580 in one decode), so no row is padded.
 """
 from __future__ import annotations
 
@@ -21,40 +21,31 @@ from infer.scripted_layer import script
 
 
 class PathGroups:
-    """The rows of a verify mask [1, 1, n, N] (bool keep, or additive 0 / -inf) grouped by the block class
-    of how many keys they see (`block` 1: by the count itself), computed once per forward. Each group is
-    (first, stop, rows, lead, tail, pad, c): rows [first, stop) when consecutive (a tree in creation order,
-    rows None) else the index tensor rows; every row sees slots [0, lead) (the committed prefix: expanded,
-    not gathered); tail
-    [g * (c - lead)] the rest of each row's keys in position order, padded with slot 0; pad [g, 1, 1, c]
-    (bool keep) masks the padding (None when no row is padded); c the class's longest row. `in_order`:
-    the groups' rows are consecutive slices tiling 0..n in order, so the outputs can be concatenated."""
+    """The rows of a verify mask [1, 1, n, N] (bool keep, or additive 0 / -inf) grouped by how many keys
+    they see, computed once per forward. Each group is (first, stop, rows, lead, tail, c): rows
+    [first, stop) when consecutive (a tree in creation order, rows None) else the index tensor rows; every
+    row sees c keys, slots [0, lead) first (the committed prefix: expanded, not gathered), then tail
+    [g * (c - lead)], the rest of each row's keys in position order. `in_order`: the groups' rows are
+    consecutive slices tiling 0..n in order, so the outputs can be concatenated."""
 
-    def __init__(self, mask: torch.Tensor, key_positions: torch.Tensor, block: int = 1):
+    def __init__(self, mask: torch.Tensor, key_positions: torch.Tensor):
         visible = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
         counts = visible.sum(-1)
-        classes = counts // block
         self.groups, end, self.in_order = [], 0, True
-        for cls in classes.unique().tolist():
-            rows = (classes == cls).nonzero().flatten()
+        for c in counts.unique().tolist():
+            rows = (counts == c).nonzero().flatten()
             first, g = int(rows[0]), len(rows)
-            own = counts[rows]
-            c = int(own.max())
-            # each row's keys by position (the order its 1-token steps saw), then padding slots at the end
+            # each row's keys by position, the order its 1-token step saw them
             rank = torch.where(visible[rows], key_positions[None], key_positions.max() + 1)
-            order = rank.argsort(dim=1, stable=True)
-            keys = order[:, :c]
-            keep = torch.arange(c, device=keys.device)[None] < own[:, None]
-            keys = keys.masked_fill(~keep, 0)
-            shared = (keys == torch.arange(c, device=keys.device)).all(0) & keep.all(0)
+            keys = rank.argsort(dim=1, stable=True)[:, :c]
+            shared = (keys == torch.arange(c, device=keys.device)).all(0)
             lead = c if bool(shared.all()) else int((~shared).nonzero()[0])
             if int(rows[-1]) - first == g - 1:
                 self.in_order &= first == end
                 end, rows = first + g, None
             else:
                 self.in_order = False
-            pad = None if bool(keep.all()) else keep[:, None, None]
-            self.groups.append((first, first + g, rows, lead, keys[:, lead:].flatten(), pad, c))
+            self.groups.append((first, first + g, rows, lead, keys[:, lead:].flatten(), c))
 
 
 def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: float) -> torch.Tensor:
@@ -65,26 +56,25 @@ def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: 
 
 @script
 def _path_attention(q: torch.Tensor, kv: torch.Tensor,
-                    groups: List[Tuple[int, int, Optional[torch.Tensor], int, torch.Tensor, Optional[torch.Tensor], int]],
+                    groups: List[Tuple[int, int, Optional[torch.Tensor], int, torch.Tensor, int]],
                     in_order: bool, scale: float) -> torch.Tensor:
     """path_attention in TorchScript: the same ATen calls without a Python dispatch per op."""
     kvh, D = kv.shape[1], kv.shape[3]
     rows_first = q[0].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, D], a view
     outs: List[torch.Tensor] = []
-    for first, stop, rows, lead, tail, pad, c in groups:
+    for first, stop, rows, lead, tail, c in groups:
         qg = rows_first[first:stop] if rows is None else rows_first.index_select(0, rows)
         g = qg.shape[0]
         both = kv[:, None, :, :lead]  # [2, 1, kv_heads, lead, D]
         if lead < c or g > 1:  # K and V of the group's rows: [2, rows, kv_heads, c, D]
             own = kv.index_select(2, tail).view(2, kvh, g, c - lead, D).transpose(1, 2)
             both = torch.cat([both.expand(2, g, kvh, lead, D), own], dim=3)
-        outs.append(F.scaled_dot_product_attention(qg, both[0], both[1], attn_mask=pad, scale=scale,
-                                                   enable_gqa=True))
+        outs.append(F.scaled_dot_product_attention(qg, both[0], both[1], scale=scale, enable_gqa=True))
     if in_order:
         return torch.cat(outs)
     out = torch.empty_like(rows_first)
     for i in range(len(groups)):
-        first, stop, rows, lead, tail, pad, c = groups[i]
+        first, stop, rows, lead, tail, c = groups[i]
         if rows is None:
             out[first:stop] = outs[i]
         else:

@@ -86,7 +86,6 @@ class LeanTarget:
         # Below fp32, a masked verify row does not round like the 1-token step that HF generate takes
         # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits.
         self.exact_attention = exact_verify and self.weight.dtype != torch.float32
-        self.block = 1  # exact verify: one SDPA call per key count, no padding (infer/exact_attention.py)
         # exact verify: [qkv, o, gate_up, down, lm_head] called a row at a time, where this CPU's GEMM rounds
         # a row of a multi-row call differently from its 1-row call (packed_linear.rows_depend_on_count)
         self.row_wise = [False] * 5
@@ -130,7 +129,7 @@ class LeanTarget:
         cache.reserve(end)
         if mask is not None and self.exact_attention:  # a verify: rows as their 1-token steps round
             key_positions = torch.cat([torch.arange(start, device=positions.device), positions])
-            mask = PathGroups(mask, key_positions, self.block)
+            mask = PathGroups(mask, key_positions)
         causal = mask is None and n > 1
         if causal and start > 0:  # new rows see the whole prefix and each other causally
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
@@ -167,9 +166,8 @@ class LeanTarget:
         if packed:
             q, k, v = by_rows(packed["qkv"], h, rows[0]).split(packed["qkv_sizes"], dim=-1)
         else:
-            q, k, v = by_rows(lambda r: torch.cat([a.q_proj(r), a.k_proj(r), a.v_proj(r)], dim=-1), h,
-                              rows[0]).split([a.q_proj.out_features, a.k_proj.out_features,
-                                              a.v_proj.out_features], dim=-1)
+            q, k, v = by_rows(unpacked_qkv(a), h, rows[0]).split(
+                [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features], dim=-1)
         q, k = q.view(1, n, self.heads, D), k.view(1, n, self.kv_heads, D)
         if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = a.q_norm(q), a.k_norm(k)
@@ -198,7 +196,7 @@ class LeanTarget:
         layer has the same shapes) and the lm_head round a row differently in a multi-row call."""
         layer, H = self.inner.layers[0], self.inner.embed_tokens.weight.shape[1]
         a, mlp, p = layer.self_attn, layer.mlp, self.packed["layers"][0] if self.packed else None
-        qkv = p["qkv"] if p else (lambda r: torch.cat([a.q_proj(r), a.k_proj(r), a.v_proj(r)], dim=-1))
+        qkv = p["qkv"] if p else unpacked_qkv(a)
         width = a.o_proj.in_features
         if p:
             mlp_parts = [(p["gate_up"], H), (p["down"], mlp.down_proj.in_features)]
@@ -249,6 +247,11 @@ class LeanTarget:
             return args
         log.info("lean target keeps the modules' layer: the scripted layer's probe differs")
         return None
+
+
+def unpacked_qkv(attn):
+    """q|k|v side by side from the attention module's own three projections."""
+    return lambda h: torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
 
 
 def by_rows(linear, x: torch.Tensor, per_row: bool) -> torch.Tensor:

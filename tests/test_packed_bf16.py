@@ -159,7 +159,6 @@ def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order):
     an order that is not depth by depth (the gathered-rows path); one SDPA call per key count."""
     name, m = model
     lean = LeanTarget.build(m, default_aux_layers(6))
-    assert lean.block == 1
     prefix = ids_of(2, 60)
     cands = Candidates([11, 12, 13, 14, 15, 16], [-1, -1, 0, 0, 2, 4], [-.1, -.2, -.3, -.4, -.5, -.6],
                        [1, 1, 2, 2, 3, 4])
@@ -169,7 +168,7 @@ def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order):
     hidden = (~torch.cat([torch.ones(tree.size, 60, dtype=torch.bool), visible], 1))[None, None]
     additive = torch.zeros(hidden.shape, dtype=torch.bfloat16).masked_fill(hidden, float("-inf"))
     positions = tree.positions(60)[perm]
-    paths = PathGroups(additive, torch.cat([torch.arange(60), positions]), lean.block)
+    paths = PathGroups(additive, torch.cat([torch.arange(60), positions]))
     assert len(paths.groups) == 5  # keys seen: 61..65 (depths 0..4)
     assert paths.in_order == (order == "creation")
     cache = lean.new_cache()
@@ -219,28 +218,29 @@ def random_tree_mask(n: int, prefix: int, gen: torch.Generator) -> tuple[torch.T
 
 def test_path_attention_rows_equal_their_own_unmasked_calls():
     """Kernel-level: every row of path_attention (one call per key count) has the bits of an unmasked
-    1-row SDPA call over exactly its keys, across prefixes that cross the kernel's 512-key split; padding
-    rows to a common length (block 64) does not, so this test can tell."""
+    1-row SDPA call over exactly its keys, across prefixes that cross the kernel's 512-key split; one
+    masked call over all rows does not, so this test can tell."""
     from infer.exact_attention import path_attention
     gen = torch.Generator().manual_seed(0)
     heads, kvh, D = 8, 2, 64
-    block = 1
-    differs_at_64 = 0
+    fused_differs = 0
     for prefix in (45, 60, 100, 250, 505):
         n = 16
         keep, pos = random_tree_mask(n, prefix, gen)
         q = torch.randn(1, heads, n, D, generator=gen).bfloat16()
         kv = torch.randn(2, kvh, prefix + n, D, generator=gen).bfloat16()
-        got = path_attention(q, kv, PathGroups(keep, pos, block), 0.125)
-        coarse = path_attention(q, kv, PathGroups(keep, pos, 64), 0.125)
+        got = path_attention(q, kv, PathGroups(keep, pos), 0.125)
+        order = pos.argsort()  # the fused call: every row at once, keys in position order, masked
+        fused = F.scaled_dot_product_attention(q, kv[0, None][:, :, order], kv[1, None][:, :, order],
+                                               attn_mask=keep[..., order], scale=0.125, enable_gqa=True)
         for i in range(n):
             keys = keep[0, 0, i].nonzero().flatten()
             keys = keys[pos[keys].argsort()]
             want = F.scaled_dot_product_attention(q[:, :, i:i + 1], kv[0, None][:, :, keys],
                                                   kv[1, None][:, :, keys], scale=0.125, enable_gqa=True)
             assert torch.equal(got[i], want[0, :, 0][:, None]), (prefix, i)
-            differs_at_64 += not torch.equal(coarse[i], want[0, :, 0][:, None])
-    assert differs_at_64 > 0
+            fused_differs += not torch.equal(fused[0, :, i], want[0, :, 0])
+    assert fused_differs > 0
 
 
 def test_fused_packing_gives_each_linears_own_rows():
