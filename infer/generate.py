@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 
 from infer.draft import DraftRunner
-from infer.round_cost import RoundCosts, measure_round_costs
+from infer.round_cost import DraftGate, RoundCosts, measure_round_costs
 from pipeline.target import default_aux_layers, num_layers
 from infer.target import TargetRunner
 from infer.tree import accept_sampling, compaction_indices
@@ -64,12 +64,13 @@ class SpecSettings(TreeShape):
 class SpecStats:
     rounds: int = 0                 # target verify forwards after prefill
     new_tokens: int = 0             # generated tokens (the prefill's first token included)
-    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per drafting round
     depth: int = 0
     seconds: float = 0.0
     eos_in_tree: bool = False       # EOS came from an accepted draft node, not the bonus
     cut_mid_round: bool = False     # max_new_tokens ended generation inside a round's tokens
     nodes: int = 0                  # tree nodes verified, summed over rounds (the root included)
+    plain_steps: int = 0            # rounds that did not draft (cost sizing's DraftGate): 1 node, 0 levels
     levels: int = 0                 # draft levels grown, summed over rounds
     # Seconds per part summed over rounds (prefill excluded): draft (tree growth + ingest), verify (the
     # target forward), accept (acceptance + KV compaction), other (everything else in the loop).
@@ -210,37 +211,63 @@ class EagleGenerator:
             self.draft.reset()
             nxt = torch.cat([prompt[1:], torch.tensor(out[-1:])])
             hid, dlog = self.draft.ingest(aux, nxt.to(aux.device), torch.arange(plen, device=aux.device))
+        # cost sizing: rounds that do not pay become plain steps; `pending` holds the draft's inputs
+        # (aux rows, next tokens, positions) for the positions it skipped, ingested at the next drafting round
+        gate = DraftGate() if s.sizing == "cost" and mode != "vanilla" else None
+        pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         while reason is None:
             t_round = time.perf_counter()
-            root = out[-1]
-            if mode == "vanilla":
-                stats.begin_round()
-                logits, _ = self.target.forward(torch.tensor([root]), torch.tensor([plen]), cache)
-                stats.add_split("verify", time.perf_counter() - t_round)
+            if mode == "vanilla" or (gate is not None and not gate.drafts()):
+                token, aux = self._plain_step(out[-1], plen, cache, s, gen, stats)
+                if mode == "vanilla":
+                    stats.accepted.append(0)
+                else:
+                    stats.plain_steps += 1
+                    stats.nodes += 1
+                    pending.append((aux, torch.tensor([token], device=aux.device), torch.tensor([plen])))
                 plen += 1
-                stats.rounds += 1
-                stats.accepted.append(0)
-                out, reason = self._finish(out + [self._pick(logits[-1], s, gen)], s)
-                stats.split["other"] += time.perf_counter() - t_round - stats.round_seconds()
-                yield self._snapshot(out, stats, reason, t0)
-                continue
-            accepted, new, aux = self._round(root, hid, dlog, plen, cache, s, mode, depth, gen, stats)
-            before = len(out)
-            out, reason = self._finish(out + new, s)
-            stats.eos_in_tree |= reason == "eos" and len(out) - before < len(new)
-            stats.cut_mid_round |= reason == "length" and len(out) - before < len(new)
-            if reason is None:
-                t_ingest = time.perf_counter()
-                idx = torch.tensor(accepted, device=aux.device)
-                hid, dlog = self.draft.ingest(aux[idx], torch.tensor(new, device=aux.device),
-                                              plen + torch.arange(len(accepted), device=aux.device))
-                plen += len(accepted)
-                stats.add_split("draft", time.perf_counter() - t_ingest)
+                out, reason = self._finish(out + [token], s)
+            else:
+                catch_up = 0.0
+                if pending:  # catch the draft up on the plain steps
+                    hid, dlog = self._ingest(pending)
+                    pending, catch_up = [], time.perf_counter() - t_round
+                accepted, new, aux = self._round(out[-1], hid, dlog, plen, cache, s, mode, depth, gen, stats, gate)
+                stats.add_split("draft", catch_up)
+                before = len(out)
+                out, reason = self._finish(out + new, s)
+                stats.eos_in_tree |= reason == "eos" and len(out) - before < len(new)
+                stats.cut_mid_round |= reason == "length" and len(out) - before < len(new)
+                if reason is None:
+                    t_ingest = time.perf_counter()
+                    idx = torch.tensor(accepted, device=aux.device)
+                    rows = (aux[idx], torch.tensor(new, device=aux.device),
+                            plen + torch.arange(len(accepted), device=aux.device))
+                    if gate is not None and gate.plain_left > 0:  # the next steps are plain: ingest later
+                        pending.append(rows)
+                    else:
+                        hid, dlog = self.draft.ingest(*rows)
+                    plen += len(accepted)
+                    stats.add_split("draft", time.perf_counter() - t_ingest)
             stats.split["other"] += time.perf_counter() - t_round - stats.round_seconds()
             yield self._snapshot(out, stats, reason, t0)
 
+    def _plain_step(self, root: int, plen: int, cache, s: SpecSettings, gen, stats: SpecStats):
+        """One 1-token target forward at position plen -> (the picked token, its aux states [1, 3H])."""
+        t0 = time.perf_counter()
+        stats.begin_round()
+        logits, aux = self.target.forward(torch.tensor([root]), torch.tensor([plen]), cache)
+        stats.add_split("verify", time.perf_counter() - t0)
+        stats.rounds += 1
+        return self._pick(logits[-1], s, gen), aux
+
+    def _ingest(self, pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+        """One draft ingest of the positions the plain steps (and the round before them) skipped."""
+        aux, tokens, positions = (torch.cat(parts) for parts in zip(*pending))
+        return self.draft.ingest(aux, tokens, positions.to(aux.device))
+
     def _round(self, root: int, hid, dlog, plen: int, cache, s: SpecSettings, mode: str, depth: int, gen,
-               stats: "SpecStats") -> tuple[list[int], list[int], torch.Tensor]:
+               stats: "SpecStats", gate: DraftGate | None = None) -> tuple[list[int], list[int], torch.Tensor]:
         """One speculative round: draft a tree, verify it in one target forward, accept, compact the
         target's cache. -> (accepted node indices, new tokens incl. the bonus, the verify's aux states)."""
         t0 = time.perf_counter()
@@ -260,6 +287,8 @@ class EagleGenerator:
         self.target.compact(cache, src, dst, plen + len(accepted))
         stats.rounds += 1
         stats.accepted.append(len(accepted) - 1)
+        if gate is not None:
+            gate.record(plan.gained(len(accepted) - 1, self.draft.levels, tree.size))
         stats.begin_round()
         stats.add_split("draft", t1 - t0)
         stats.add_split("verify", t2 - t1)

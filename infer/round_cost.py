@@ -12,6 +12,8 @@ nodes that will be rejected, and where it is cheap a small tree leaves acceptanc
   per millisecond (1 + sum of their pi) / (base + m x node), base = the draft's cost so far + the verify's
   fixed part. Scores sorted descending keep the tree connected (a child never outranks its parent).
 Which nodes are verified never changes the output: acceptance still takes the target's own choices.
+`DraftGate` goes one step further: when drafting rounds stop paying for themselves (a weak head, an
+off-domain prompt), the decoder takes plain 1-token steps and does not run the draft at all.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ class RoundCosts:
         """What `DraftRunner.build_tree` needs for one round after prefix_len committed tokens."""
         step, node = self.at(prefix_len)
         return RoundPlan(grow_threshold=(self.level + node) / step, base_ms=self.ingest + step,
-                         level_ms=self.level, node_ms=node)
+                         level_ms=self.level, node_ms=node, step_ms=step)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,53 @@ class RoundPlan:
     base_ms: float
     level_ms: float
     node_ms: float
+    step_ms: float
+
+    def round_ms(self, levels: int, nodes: int) -> float:
+        """Predicted ms of a round that grew `levels` draft levels and verified `nodes` nodes (root
+        included); the first level comes with the ingest."""
+        return self.base_ms + (levels - 1) * self.level_ms + (nodes - 1) * self.node_ms
+
+    def gained(self, accepted: int, levels: int, nodes: int) -> float:
+        """Tokens a round gained over plain 1-token steps in the same predicted time: 1 + accepted draft
+        tokens, less the round's ms in steps."""
+        return 1 + accepted - self.round_ms(levels, nodes) / self.step_ms
+
+
+@dataclass
+class DraftGate:
+    """Whether the next `sizing: cost` round drafts (docs/ARCHITECTURE.md "Cost-sized trees"). Each drafting
+    round reports `RoundPlan.gained`; while their moving average (weight `decay` on the past) is below 0,
+    the decoder takes `backoff` plain steps (the draft idle, its inputs kept for one catch-up ingest), then
+    probes with one drafting round, scored alone. A losing probe doubles the backoff (up to
+    `max_backoff`), a winning one resets it. Pure bookkeeping: the output is the target's either way."""
+    decay: float = 0.5
+    min_backoff: int = 2
+    max_backoff: int = 32
+    score: float | None = None
+    backoff: int = 0  # set to min_backoff
+    plain_left: int = 0
+    probing: bool = False
+
+    def __post_init__(self):
+        self.backoff = self.backoff or self.min_backoff
+
+    def drafts(self) -> bool:
+        """Whether this round drafts; a plain step is counted off the backoff."""
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return False
+        return True
+
+    def record(self, gained: float) -> None:
+        fresh = self.score is None or self.probing
+        self.score = gained if fresh else self.decay * self.score + (1 - self.decay) * gained
+        if self.score < 0:
+            if self.probing:
+                self.backoff = min(2 * self.backoff, self.max_backoff)
+            self.plain_left, self.probing = self.backoff, True
+        elif self.probing:
+            self.backoff, self.probing = self.min_backoff, False
 
 
 def cost_width(sorted_scores: torch.Tensor, base_ms: float, node_ms: float, cap: int) -> int:

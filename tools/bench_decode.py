@@ -120,7 +120,7 @@ def build_methods(gen: EagleGenerator, args) -> dict:
 def measure(methods: dict, prompts: list[list[int]], counter: ForwardCounter) -> dict:
     """Every method on every prompt in turn (the first prompt once more before, as warm-up)."""
     agg = {k: {"tokens": 0, "seconds": 0.0, "forwards": 0, "accepted": [], "match": 0, "nodes": 0, "levels": 0,
-               "split": {"draft": 0.0, "verify": 0.0, "accept": 0.0, "other": 0.0}} for k in methods}
+               "plain": 0, "split": {"draft": 0.0, "verify": 0.0, "accept": 0.0, "other": 0.0}} for k in methods}
     for fn in methods.values():
         fn(prompts[0])
     with torch.no_grad():
@@ -138,6 +138,7 @@ def measure(methods: dict, prompts: list[list[int]], counter: ForwardCounter) ->
                     a["accepted"] += stats.accepted
                     a["nodes"] += stats.nodes
                     a["levels"] += stats.levels
+                    a["plain"] += stats.plain_steps
                     for part, sec in stats.split.items():
                         a["split"][part] += sec
                 ref = tokens if ref is None else ref
@@ -155,12 +156,13 @@ def summarize(agg: dict, n_prompts: int, depth: int) -> dict:
         entry = {"tau": round(a["tokens"] / max(1, a["forwards"]), 3), "tokens_per_s": round(tps, 1),
                  "speedup_vs_hf": round(tps / base, 3) if base else None,
                  "greedy_match": f"{a['match']}/{n_prompts}"}
-        rounds = max(1, len(a["accepted"]))
+        rounds, drafted = max(1, a["forwards"]), max(1, len(a["accepted"]))  # plain steps are rounds too
         if name.startswith("eagle_"):
-            entry["accept_by_depth"] = [round(sum(x > d for x in a["accepted"]) / rounds, 3)
+            entry["accept_by_depth"] = [round(sum(x > d for x in a["accepted"]) / drafted, 3)
                                         for d in range(depth)]
             entry["nodes_per_round"] = round(a["nodes"] / rounds, 2)
             entry["levels_per_round"] = round(a["levels"] / rounds, 2)
+            entry["plain_step_share"] = round(a["plain"] / rounds, 3)  # rounds the DraftGate did not draft
         if name == "vanilla" or name.startswith("eagle_"):
             entry["round_split"] = {k: round(v / rounds, 5) for k, v in a["split"].items()}
             share = sum(a["split"].values())
