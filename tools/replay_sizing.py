@@ -10,8 +10,9 @@ exactly: a round at position p that keeps the best m candidates of depth <= d ac
 among them and moves p on by that plus the bonus, at the cost ingest + (d - 1) x level + step + m x node
 (infer/round_cost.py, measured here). Valid because the draft's state at a position does not depend on
 how earlier rounds were cut (its cache holds committed positions only). Policies: fixed `depth/total`
-shapes of this top_k, and the cost rule itself (`cost_width`, the grow threshold) under caps; vanilla is
-one token per 1-token step. Costs exclude what the loop spends outside the forwards, so the figures run
+shapes of this top_k, and the cost rule itself (`cost_width`, the grow threshold) under caps, alone and
+with the decoder's `DraftGate` (plain steps while drafting rounds lose); vanilla is one token per 1-token
+step. Costs exclude what the loop spends outside the forwards, so the figures run
 above bench_decode's; compare policies, not absolute rates. Last line: one JSON object with tokens/s, tau
 and nodes / levels per round for each.
 """
@@ -25,7 +26,7 @@ import torch
 
 from infer.benchmarks import chat_ids, default_prompts
 from infer.generate import EagleGenerator, SpecSettings
-from infer.round_cost import RoundCosts, cost_width
+from infer.round_cost import DraftGate, RoundCosts, cost_width
 
 
 def record(gen: EagleGenerator, ids: list[int], top_k: int, depth: int, n_new: int) -> list[dict]:
@@ -74,21 +75,31 @@ def cost_policy(pos: dict, costs: RoundCosts, max_depth: int, cap: int) -> tuple
     return d, cost_width(scores, plan.base_ms + (d - 1) * plan.level_ms, plan.node_ms, cap)
 
 
-def replay(prompts: list[list[dict]], costs: RoundCosts, policy) -> dict:
-    tokens = rounds = nodes = levels = 0
+def replay(prompts: list[list[dict]], costs: RoundCosts, policy, gated: bool = False) -> dict:
+    """Decode every recorded prompt under `policy`; gated: with the decoder's DraftGate, whose plain steps
+    cost a 1-token step each (the catch-up ingest is counted as the probe round's one ingest)."""
+    tokens = rounds = nodes = levels = plain = 0
     ms = 0.0
     for positions in prompts:
-        i = 0
+        gate, i = DraftGate() if gated else None, 0
         while i < len(positions):
             pos = positions[i]
+            step, node = costs.at(pos["p"])
+            if gate is not None and not gate.drafts():
+                ms, tokens, rounds, nodes, plain, i = ms + step, tokens + 1, rounds + 1, nodes + 1, plain + 1, i + 1
+                continue
             d, m = policy(pos)
             acc = round_outcome(pos, d, m)
-            step, node = costs.at(pos["p"])
             ms += costs.ingest + (d - 1) * costs.level + step + m * node
+            if gate is not None:
+                gate.record(costs.plan(pos["p"]).gained(acc, d, m + 1))
             tokens, rounds, nodes, levels = tokens + acc + 1, rounds + 1, nodes + m + 1, levels + d
             i += acc + 1
-    return {"tokens_per_s": round(tokens / ms * 1e3, 1), "tau": round(tokens / rounds, 3),
-            "nodes_per_round": round(nodes / rounds, 2), "levels_per_round": round(levels / rounds, 2)}
+    out = {"tokens_per_s": round(tokens / ms * 1e3, 1), "tau": round(tokens / rounds, 3),
+           "nodes_per_round": round(nodes / rounds, 2), "levels_per_round": round(levels / rounds, 2)}
+    if gated:
+        out["plain_step_share"] = round(plain / rounds, 3)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -115,9 +126,10 @@ def main(argv=None) -> dict:
     steps_ms = sum(costs.at(pos["p"])[0] for positions in recorded for pos in positions)
     result = {"costs_ms": {k: round(v, 5) for k, v in vars(costs).items()}, "prompts": len(texts),
               "positions": sum(map(len, recorded)), "top_k": args.top_k, "depth": args.depth,
-              "vanilla": {"tokens_per_s": round(sum(map(len, recorded)) / steps_ms * 1e3, 1)},
-              f"cost_{args.top_k}/{args.cost_caps}": replay(recorded, costs, lambda pos: cost_policy(
-                  pos, costs, min(cap_d, args.depth), cap_total - 1))}
+              "vanilla": {"tokens_per_s": round(sum(map(len, recorded)) / steps_ms * 1e3, 1)}}
+    for gated in (False, True):  # the tree rule alone, then with the decoder's DraftGate (what it runs)
+        result[f"cost_{args.top_k}/{args.cost_caps}" + ("_gated" if gated else "")] = replay(
+            recorded, costs, lambda pos: cost_policy(pos, costs, min(cap_d, args.depth), cap_total - 1), gated)
     for shape in args.shapes.split(","):
         d, total = map(int, shape.split("/"))
         result[f"fixed_{args.top_k}/{d}/{total}"] = replay(recorded, costs, lambda pos, d=d, m=total - 1: (d, m))
