@@ -1,14 +1,14 @@
 """Serving benchmark: each backend (eagleray, vllm) deployed speculative and vanilla, measured in one run.
 
     python tools/bench_serve.py [--backends eagleray,vllm] [--target runs/demo/target]
-        [--head-dir runs/demo/head] [--requests-per-level 24] [--max-tokens 64] [--levels 1,4,16]
+        [--head-dir runs/demo/head] [--requests-per-level 24] [--waves 4] [--max-tokens 64] [--levels 1,4,16]
 
 One deployment at a time on a local Ray Serve (127.0.0.1), so idle replicas take no cores from the one
 measured: `eagleray` (our tree decoder, batch 1 per replica, head_sglang/) and `vllm` (Ray Serve LLM +
 vLLM's CPU build, continuous batching, head_speculators/ as an EAGLE-3 chain of `--k` tokens; eagleray's
 tree 4/5/16 is sized per round by default, `--eagleray-sizing fixed` takes it as given), each with
 its head and without. At every concurrency level the same chat requests (MT-Bench / GSM8K prompts, T=0)
-go through the real `openai` client. Last line: one JSON object with requests/s, tokens/s, p50/p99 per
+go through the real `openai` client, at least `--waves` x the concurrency of them (64 at 16). Last line: one JSON object with requests/s, tokens/s, p50/p99 per
 deployment and level, and the ratios vllm_vs_eagleray_c16 (throughput, both speculative) and
 <backend>_spec_vs_vanilla_c<level>.
 """
@@ -47,6 +47,13 @@ def level(base_url: str, model: str, prompts: list[str], concurrency: int, max_t
             "p50_s": round(statistics.median(lat), 3), "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3)}
 
 
+def mixed_prompts(n: int) -> list[str]:
+    """n prompts, MT-Bench and GSM8K alternating, so any first m of them hold both kinds alike."""
+    both = default_prompts(None, n)
+    mt, gsm = both[: n // 2], both[n // 2:]
+    return [p for pair in zip(mt, gsm) for p in pair] + mt[len(gsm):] + gsm[len(mt):]
+
+
 def deployment(backend: str, target: Path, head: Path | None, port: int, k: int, threads: int,
                vllm_dtype: str = "auto", vllm_bind: str = "auto", vllm_eager: bool = True,
                vllm_draft_up_to: int | None = None, sizing: str = "cost") -> ServeConfig:
@@ -69,6 +76,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--head-dir", type=Path, default=Path("runs/demo/head"))
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--requests-per-level", type=int, default=24)
+    ap.add_argument("--waves", type=int, default=4,
+                    help="at least waves x concurrency requests a level, so a level measures that many in "
+                         "flight, not the ramp-down of a half-filled batch")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,4,16")
     ap.add_argument("--k", type=int, default=3, help="vLLM draft tokens per step (a chain)")
@@ -87,8 +97,9 @@ def main(argv=None) -> dict:
     from ray import serve
 
     levels = [int(x) for x in args.levels.split(",")]
-    prompts = default_prompts(None, args.requests_per_level)
-    result: dict = {"requests_per_level": len(prompts), "max_tokens": args.max_tokens, "k_vllm": args.k,
+    n_req = {c: max(args.requests_per_level, args.waves * c) for c in levels}
+    prompts = mixed_prompts(max(n_req.values()))
+    result: dict = {"requests_per_level": {f"c{c}": n for c, n in n_req.items()}, "max_tokens": args.max_tokens, "k_vllm": args.k,
                     "vllm_dtype": args.vllm_dtype, "vllm_bind": args.vllm_bind, "vllm_compile": args.vllm_compile,
                     "vllm_draft_up_to": args.vllm_draft_up_to, "eagleray_sizing": args.eagleray_sizing}
     for backend in args.backends.split(","):
@@ -100,7 +111,7 @@ def main(argv=None) -> dict:
             level(url, cfg.model_name, prompts[:2], 1, 8)  # warm-up
             rec = {"startup_s": round(time.perf_counter() - t0, 1)}
             for conc in levels:
-                rec[f"c{conc}"] = level(url, cfg.model_name, prompts, conc, args.max_tokens)
+                rec[f"c{conc}"] = level(url, cfg.model_name, prompts[:n_req[conc]], conc, args.max_tokens)
             result[cfg.model_name] = rec
             serve.shutdown()
         for conc in levels:
