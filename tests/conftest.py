@@ -51,13 +51,16 @@ def ray_cluster():
 
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    port, dash = _free_port(), _free_port()
+    port, dash, agent = _free_port(), _free_port(), _free_port()
     # A temp dir of our own marks this cluster's processes, so teardown stops this one only
     # (`ray stop` would kill every Ray on the machine, a CI run beside us included).
     temp_dir = tempfile.mkdtemp(prefix="er-ray-", dir="/tmp")
     subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
                     "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                    "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+                    "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+                    # the job agent's HTTP port is fixed (52365) by default: another Ray on this machine
+                    # (a training run beside the tests) holds it, and then `ray job submit` finds no agent
+                    f"--dashboard-agent-listen-port={agent}"],
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     gcs = f"127.0.0.1:{port}"
     ray.init(address=gcs, log_to_driver=False)
