@@ -118,7 +118,9 @@ def cost_width(sorted_scores: torch.Tensor, base_ms: float, node_ms: float, cap:
     return int(torch.argmax(gain / cost))  # argmax returns the first maximum
 
 
-def _median_ms(fn, reps: int, sync=lambda: None) -> float:
+def median_ms(fn, reps: int, sync=lambda: None) -> float:
+    """Median wall ms of `reps` calls of fn after two warm-ups; sync (torch.cuda.synchronize on a GPU)
+    runs inside each timed call so queued device work is counted."""
     times = []
     for i in range(reps + 2):
         t0 = time.perf_counter()
@@ -161,9 +163,9 @@ def measure_round_costs(target, draft, top_k: int, prefixes: tuple[int, int] = (
             target.forward(tokens, positions, cache, mask)
             target.compact(cache, empty, empty, p)
 
-        t1 = _median_ms(lambda: one(ids[p:p + 1], torch.tensor([p])), reps, sync)
+        t1 = median_ms(lambda: one(ids[p:p + 1], torch.tensor([p])), reps, sync)
         masks = target.verify_masks(tree, p)
-        tn = _median_ms(lambda: one(ids[p:p + nodes], tree.positions(p), masks), reps, sync)
+        tn = median_ms(lambda: one(ids[p:p + nodes], tree.positions(p), masks), reps, sync)
         step.append(t1)
         node.append(max(0.0, (tn - t1) / (nodes - 1)))
     span = prefixes[1] - prefixes[0]
@@ -186,9 +188,9 @@ def _draft_costs(draft, aux: torch.Tensor, ids: torch.Tensor, p: int, top_k: int
         draft.cache.committed = committed
         draft.ingest(aux[p - 3:p], ids[p - 2:p + 1], torch.arange(p - 3, p, device=dev))
 
-    t_ingest = _median_ms(ingest, reps, sync)
+    t_ingest = median_ms(ingest, reps, sync)
     draft.cache.committed = committed
-    grow = [_median_ms(lambda: draft.build_tree(int(ids[p]), hid, dlog, p - 1, top_k, d, 2), reps, sync)
+    grow = [median_ms(lambda: draft.build_tree(int(ids[p]), hid, dlog, p - 1, top_k, d, 2), reps, sync)
             for d in (1, 3)]
     draft.reset()
     return max(0.0, (grow[1] - grow[0]) / 2), t_ingest
