@@ -165,7 +165,8 @@ class EagleGenerator:
     def _pick(self, logits: torch.Tensor, s: SpecSettings, gen: torch.Generator | None) -> int:
         if s.temperature <= 0:
             return int(logits.argmax())
-        return int(torch.multinomial(sampling_probs(logits[None], s.temperature, s.top_p)[0], 1, generator=gen))
+        # on the host: the seeded generator is a CPU one, and draws match across devices
+        return int(torch.multinomial(sampling_probs(logits[None], s.temperature, s.top_p)[0].cpu(), 1, generator=gen))
 
     def _finish(self, out: list[int], s: SpecSettings) -> tuple[list[int], str | None]:
         """Cut at EOS, a stop string or max_new_tokens; returns (tokens, reason or None to go on).
@@ -224,7 +225,8 @@ class EagleGenerator:
                 else:
                     stats.plain_steps += 1
                     stats.nodes += 1
-                    pending.append((aux, torch.tensor([token], device=aux.device), torch.tensor([plen])))
+                    dev = aux.device
+                    pending.append((aux, torch.tensor([token], device=dev), torch.tensor([plen], device=dev)))
                 plen += 1
                 out, reason = self._finish(out + [token], s)
             else:
@@ -282,7 +284,7 @@ class EagleGenerator:
         if s.temperature <= 0:
             accepted, bonus = accept_greedy_tensor(tree, logits.argmax(-1))
         else:
-            accepted, bonus = accept_sampling(tree, sampling_probs(logits, s.temperature, s.top_p), gen)
+            accepted, bonus = accept_sampling(tree, sampling_probs(logits, s.temperature, s.top_p).cpu(), gen)
         src, dst = compaction_indices(plen, accepted)
         self.target.compact(cache, src, dst, plen + len(accepted))
         stats.rounds += 1

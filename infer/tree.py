@@ -152,14 +152,14 @@ def verify_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, window: int | N
     full-attention layer. A sliding-window layer (`window`) also hides keys at positions <= q - window,
     as transformers' sliding mask does; a chunked layer (`chunk`) hides keys of other chunks. Positions:
     prefix slot p is position p, node j is at prefix_len + depth[j] (the committed cache is contiguous)."""
-    n = tree.size
-    visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree.mask], dim=1)
+    n, dev = tree.size, tree.mask.device  # on the tree's device (a GPU draft builds trees there)
+    visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool, device=dev), tree.mask], dim=1)
     q_pos = prefix_len + tree.depth
-    k_pos = torch.cat([torch.arange(prefix_len), q_pos])
+    k_pos = torch.cat([torch.arange(prefix_len, device=dev), q_pos])
     if window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - window
     if chunk is not None:
         visible &= (k_pos[None, :] // chunk) == (q_pos[:, None] // chunk)
-    mask = torch.zeros(n, prefix_len + n, dtype=dtype)
+    mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=dev)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]

@@ -21,7 +21,7 @@ from pipeline.buckets import length_buckets
 from pipeline.cluster import check_actor_cpus
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
 from pipeline.progress import progress_bar
-from pipeline.hidden import capture_hidden, check_logit_rule
+from pipeline.hidden import capture_hidden, check_logit_rule, to_host
 from pipeline.target import TargetSpec, load_model
 from pipeline.config import Capture
 from pipeline.tokenize import tokens_max_length
@@ -48,6 +48,7 @@ def capture_rows(model, device: str, rows: list[dict], layer_ids: list[int], dty
         if device == "cuda":
             torch.cuda.synchronize()
         fwd_s += time.perf_counter() - t0
+        aux, last = to_host(aux), to_host(last)  # one pinned transfer each, then rows are cut on the host
         for j, i in enumerate(group):
             try:
                 aux_b[i] = to_bytes(aux[j, : lengths[i]], dtype, groups=3)

@@ -54,6 +54,17 @@ def capture_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return tap.states(), out.last_hidden_state
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A GPU tensor copied to host memory in one transfer through a pinned buffer (pageable copies of
+    each row's slice ran at ~1.6 GB/s on an H200 host, README "GPU"); a CPU tensor is returned as is."""
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return out
+
+
 @torch.no_grad()
 def check_logit_rule(model, layer_ids: list[int], tokens: int = 12) -> float:
     """Refuse a target whose logits are not `target_logits(last_hidden)` (pipeline/target.py): training

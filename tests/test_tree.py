@@ -4,7 +4,7 @@ import collections
 import torch
 from scipy.stats import chisquare
 
-from infer.tree import (Candidates, accept_greedy, accept_sampling, compaction_indices, finalize, grow, rerank,
+from infer.tree import (Candidates, Tree, accept_greedy, accept_sampling, compaction_indices, finalize, grow, rerank,
                         verify_mask)
 
 
@@ -135,3 +135,11 @@ def test_tensor_tree_equals_reference():
                 assert accept_greedy_tensor(b, argmax) == accept_greedy(a, argmax)
             trees += 1
     assert trees == 240
+
+
+def test_verify_mask_is_built_on_the_trees_device():
+    """A GPU draft builds trees on the GPU; the verify mask must follow (the meta device stands in)."""
+    tree = Tree(torch.arange(3, device="meta"), torch.tensor([-1, 0, 0], device="meta"),
+                torch.tensor([0, 1, 1], device="meta"), torch.eye(3, dtype=torch.bool, device="meta"))
+    mask = verify_mask(tree, 5, torch.float32, window=4)
+    assert mask.device.type == "meta" and mask.shape == (1, 1, 3, 8)

@@ -27,7 +27,7 @@ import torch
 from infer.draft import DraftRunner
 from infer.round_cost import median_ms, probe_tree
 from infer.target import TargetRunner
-from pipeline.hidden import capture_hidden
+from pipeline.hidden import capture_hidden, to_host
 from pipeline.target import LogitRule, default_aux_layers
 from trainer.cost import step_flops
 from trainer.head import Eagle3Head, head_config_from_target
@@ -123,11 +123,14 @@ def capture(run: Run, model, aux_ids: list[int], rows: int, seq: int, peak_tflop
     full = run.ms(lambda: model(input_ids=ids, use_cache=False))
     cap = run.ms(lambda: capture_hidden(model, ids, None, aux_ids))
     host = run.ms(lambda: [t.cpu() for t in capture_hidden(model, ids, None, aux_ids)])
+    pinned = run.ms(lambda: [to_host(t) for t in capture_hidden(model, ids, None, aux_ids)])
     flops = forward_flops(model, n, seq / 2, logits=False)
     return {"tokens": n, "rows": rows, "seq": seq,
             "tokens_per_s": {"bare_forward": round(n / bare * 1e3), "forward_with_logits": round(n / full * 1e3),
-                             "capture": round(n / cap * 1e3), "capture_to_host": round(n / host * 1e3)},
+                             "capture": round(n / cap * 1e3), "capture_to_host": round(n / host * 1e3),
+                             "capture_to_host_pinned": round(n / pinned * 1e3)},
             "capture_vs_bare": round(bare / cap, 3), "capture_to_host_vs_bare": round(bare / host, 3),
+            "capture_to_host_pinned_vs_bare": round(bare / pinned, 3),
             "bare_forward_mfu": round(flops / bare / 1e9 / peak_tflops, 3)}
 
 
@@ -139,8 +142,9 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float) -> di
     hc = head_config_from_target(cfg, vd)
     head = Eagle3Head(hc).to(dev, torch.bfloat16)
     head.set_vocab(torch.zeros(vd, dtype=torch.long), torch.arange(cfg.vocab_size) < vd)
-    parts = TargetParts(model.model.embed_tokens.weight, model.lm_head.weight, None, LogitRule.of(cfg),
-                        cfg).to(dev, torch.bfloat16)
+    whole = TargetParts(model.model.embed_tokens.weight, model.lm_head.weight, None, LogitRule.of(cfg), cfg)
+    parts = whole.to(dev, torch.bfloat16, bf16_hidden=True)  # as trainer/loop.py on a GPU, bf16 shards
+    parts32 = whole.to(dev, torch.bfloat16)  # the fp32 lm_head (CPU, or shards stored above bf16)
     objective = TTTObjective(head, ttt, 0.8)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {}))
     rows, seq = shape["rows"], shape["seq"]
@@ -169,14 +173,22 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float) -> di
     t_step = run.ms(step)
     t_target = run.ms(target_side)
     need = target_rows(mask)[0]
-    w16 = parts.lm_weight.to(torch.bfloat16)
-    t_lm16 = run.ms(lambda: last[need] @ w16.T)  # what the fp32 target lm_head would cost in bf16
+    with torch.no_grad():
+        t_lm32 = run.ms(lambda: parts32.logits(last[need]))
+        a, b = parts.logits(last[need]), parts32.logits(last[need])
+        logits_err = float((a - b).abs().max() / b.abs().max())
+        emb, p, am, row = target_side()
+        loss_new = float(objective(aux, emb, p, am, row, mask)["loss"])
+        p32, am32 = target_distribution(b, head.t2d)
+        loss_32 = float(objective(aux, emb, p32, am32, row, mask)["loss"])
+        del a, b, p32
     flops = step_flops(hc, ttt).batch(rows, seq, int(mask.sum()))
     target_flops = int(mask.sum()) * step_flops(hc, ttt).per_target_row
     tokens = rows * seq
     return {"ttt": ttt, "rows": rows, "seq": seq, "draft_vocab": vd, "step_ms": t_step,
             "tokens_per_s": round(tokens / t_step * 1e3), "target_lm_head_ms": t_target,
-            "target_lm_head_bf16_gemm_ms": t_lm16,
+            "target_lm_head_fp32_ms": t_lm32, "target_logits_rel_err_vs_fp32": logits_err,
+            "loss_vs_fp32_lm_head": [round(loss_new, 6), round(loss_32, 6)],
             "tflops": round(flops / t_step / 1e9, 1), "mfu": round(flops / t_step / 1e9 / peak_tflops, 3),
             "head_only_mfu": round((flops - target_flops) / max(t_step - t_target, 1e-6) / 1e9 / peak_tflops, 3),
             "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 1) if dev.type == "cuda" else None,
@@ -184,12 +196,13 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float) -> di
 
 
 @torch.no_grad()
-def target_costs(run: Run, model, aux_ids: list[int], prefix: int, lean: bool) -> dict:
+def target_costs(run: Run, model, aux_ids: list[int], prefix: int, lean: bool, exact: bool = False) -> dict:
     """Our TargetRunner: the 1-token step and n-node verifies after `prefix` tokens (cache cut back each
-    time, as measure_round_costs does)."""
-    runner = TargetRunner(model, aux_ids, lean=lean, exact_verify=False)
+    time, as measure_round_costs does). exact: the lean forward's exact verify (the decoder's default)."""
+    runner = TargetRunner(model, aux_ids, lean=lean, exact_verify=exact)
     if lean and runner.lean is None:
         return {"skipped": "the lean forward refused this target (see the log line)"}
+    info = {"exact_attention": runner.lean.exact_attention, "row_wise": runner.lean.row_wise} if exact else {}
     ids = torch.randint(3, model.config.vocab_size, (prefix + max(VERIFY_NODES),))
     cache = runner.new_cache()
     runner.forward(ids[:prefix], torch.arange(prefix), cache, last_only=True)
@@ -199,7 +212,7 @@ def target_costs(run: Run, model, aux_ids: list[int], prefix: int, lean: bool) -
         runner.forward(tokens, positions, cache, mask)
         runner.compact(cache, empty, empty, prefix)
 
-    out = {"step_ms": run.ms(lambda: one(ids[prefix:prefix + 1], torch.tensor([prefix])))}
+    out = {**info, "step_ms": run.ms(lambda: one(ids[prefix:prefix + 1], torch.tensor([prefix])))}
     for n in VERIFY_NODES:
         tree = probe_tree(n)
         masks = runner.verify_masks(tree, prefix)
@@ -289,6 +302,7 @@ def main(argv=None) -> dict:
     run.section("train", train_step, model, shape, args.ttt, peak)
     run.section("target_hf", target_costs, model, aux_ids, shape["prefix"], False)
     run.section("target_lean", target_costs, model, aux_ids, shape["prefix"], True)
+    run.section("target_lean_exact", target_costs, model, aux_ids, shape["prefix"], True, True)
     run.section("draft", draft_costs, model, aux_ids, shape, args.top_k, args.levels)
     run.section("hf_generate", hf_generate, model, shape["prefix"], args.new_tokens, False)
     copy = run.result["hardware"].get("copy_gb_s")

@@ -2,7 +2,7 @@
 
     python tools/check_lossless.py [--target runs/demo/target] [--head runs/demo/head/head_sglang]
                                    [--prompts FILE.jsonl] [--n 200] [--max-new-tokens 64]
-                                   [--dtype bfloat16 [--fused-verify]]
+                                   [--dtype bfloat16 [--fused-verify]] [--device cuda]
 
 Default prompts: MT-Bench first turns and GSM8K test questions from ../shared/data (n/2 each).
 The last line printed is one JSON object with `prompts` and `matched`.
@@ -33,11 +33,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--sizing", choices=["fixed", "cost"], default="fixed",
                     help="cost: the shape as caps, each round sized by measured costs (infer/round_cost.py)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (target, head and HF generate)")
     ap.add_argument("--fused-verify", action="store_true",
                     help="below fp32: one masked SDPA call per layer instead of the exact verify attention")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
-    gen = EagleGenerator.from_folders(args.target, args.head, dtype=getattr(torch, args.dtype),
+    gen = EagleGenerator.from_folders(args.target, args.head, dtype=getattr(torch, args.dtype), device=args.device,
                                       exact_verify=not args.fused_verify)
     texts = prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n)
     texts = texts[: args.n]
@@ -46,7 +47,8 @@ def main(argv=None) -> dict:
     matched, mismatches, stats = 0, [], []
     for i, text in enumerate(texts):
         ids = chat_ids(gen.tokenizer, text)
-        want = gen.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        want = gen.target.model.generate(torch.tensor([ids], device=gen.target.device),
+                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=gen.target.device),
                                          max_new_tokens=args.max_new_tokens, do_sample=False)[0, len(ids):].tolist()
         got = gen.generate(ids, s)
         stats.append(got.stats)
@@ -56,7 +58,7 @@ def main(argv=None) -> dict:
             first = next((j for j, (a, b) in enumerate(zip(got.tokens, want)) if a != b), min(len(got.tokens), len(want)))
             mismatches.append({"index": i, "first_diff": first})
     result = {"prompts": len(texts), "matched": matched, "tau": round(SpecStats.pooled_tau(stats), 3),
-              "mismatches": mismatches[:10], "settings": s.__dict__, "dtype": args.dtype,
+              "mismatches": mismatches[:10], "settings": s.__dict__, "dtype": args.dtype, "device": args.device,
               "exact_verify": bool(gen.target.lean and gen.target.lean.exact_attention)}
     print(json.dumps(result))
     return result

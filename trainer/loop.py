@@ -77,7 +77,7 @@ class HeadTrainer:
                 and not cpu_has_native_bf16()):
             print("trainer: deepspeed.dtype: bf16 on a CPU without native bf16 (no AVX512-BF16 / AMX): "
                   "oneDNN emulates it, ~100x slower than fp32 here; use deepspeed.dtype: fp32", flush=True)
-        self.target = parts.to(self.device, self.compute_dtype)
+        self.target = parts.to(self.device, self.compute_dtype, bf16_hidden=storage_dtype == "bf16")
         self.t2d = t2d.to(self.device)
         self.engine = self._engine(TTTObjective(head, cfg.model.ttt_length, cfg.model.decay, cfg.model.attention))
         self.head = self.engine.module.head

@@ -48,10 +48,15 @@ class TargetParts:
     rule: LogitRule
     config: object
 
-    def to(self, device, embed_dtype=None) -> "TargetParts":
+    def to(self, device, embed_dtype=None, bf16_hidden: bool = False) -> "TargetParts":
+        """Copies on `device`; the lm_head in fp32, except on a GPU when the weights are bf16 and the
+        hidden states fed to `logits` are bf16 (`bf16_hidden`): then it stays bf16 and `logits` runs one
+        bf16 GEMM that accumulates and returns fp32, the same products as the fp32 GEMM (bf16 x bf16 is
+        exact in fp32) at a fraction of the time (docs/ARCHITECTURE.md "Target logits on a GPU")."""
         bias = None if self.lm_bias is None else self.lm_bias.to(device, torch.float32)
+        keep = bf16_hidden and torch.device(device).type == "cuda" and self.lm_weight.dtype == torch.bfloat16
         return TargetParts(self.embedding.to(device, embed_dtype or self.embedding.dtype),
-                           self.lm_weight.to(device, torch.float32), bias, self.rule, self.config)
+                           self.lm_weight.to(device, None if keep else torch.float32), bias, self.rule, self.config)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The draft's token embeddings: a plain lookup in the target's embedding matrix, which is what
@@ -60,6 +65,11 @@ class TargetParts:
         return torch.nn.functional.embedding(ids, self.embedding)
 
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] of final-norm hidden states [N, H]."""
+        if self.lm_weight.dtype == torch.bfloat16:  # `to(bf16_hidden=True)` on a GPU: fp32 out of a bf16 GEMM
+            if last_hidden.dtype != torch.bfloat16:
+                raise ValueError(f"the bf16 target lm_head takes bf16 hidden states, not {last_hidden.dtype}")
+            return target_logits(last_hidden, self.lm_weight, self.lm_bias, self.rule, out_dtype=torch.float32)
         return target_logits(last_hidden.float(), self.lm_weight, self.lm_bias, self.rule)
 
 

@@ -1,0 +1,53 @@
+"""tools/bench_gpu.py on its tiny CPU shape (the GPU run is the same code at Llama-3.1-8B shapes), and the
+device rules of the trainer's target lm_head."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.target import LogitRule
+from trainer.target_parts import TargetParts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_gpu  # noqa: E402
+
+
+def test_bench_gpu_tiny_shape_runs_every_section(tmp_path):
+    out = tmp_path / "gpu.json"
+    res = bench_gpu.main(["--shape", "tiny", "--device", "cpu", "--reps", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["train"] == res["train"]
+    for name in ("hardware", "capture", "train", "target_hf", "target_lean", "target_lean_exact", "draft",
+                 "hf_generate"):
+        assert "error" not in res[name] and "skipped" not in res[name], (name, res[name])
+    t = res["train"]
+    assert t["tokens_per_s"] > 0 and 0 < t["mfu"] < 1.5
+    assert t["loss_vs_fp32_lm_head"][0] == t["loss_vs_fp32_lm_head"][1]  # CPU keeps the fp32 lm_head
+    lean, draft = res["target_lean"], res["draft"]
+    for n in bench_gpu.VERIFY_NODES:
+        want = 5.0 * lean["step_ms"] / (lean[f"verify{n}_ms"] + 6 * draft["level_ms"] + draft["ingest3_ms"])
+        assert res["model_speedup"][f"target_lean_n{n}"]["5.0"] == pytest.approx(want, abs=0.006)
+
+
+def test_section_error_is_recorded_not_raised(tmp_path):
+    run = bench_gpu.Run("cpu", tmp_path / "r.json", budget_s=60, reps=1)
+    run.section("broken", lambda _run: 1 / 0)
+    assert run.result["broken"] == {"error": "ZeroDivisionError: division by zero"}
+    assert json.loads((tmp_path / "r.json").read_text())["broken"]["error"].startswith("ZeroDivisionError")
+
+
+def test_target_lm_head_stays_fp32_off_gpu():
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(50, 8, generator=g).bfloat16()
+    parts = TargetParts(emb, emb.clone(), None, LogitRule(), None).to("cpu", torch.bfloat16, bf16_hidden=True)
+    assert parts.lm_weight.dtype == torch.float32
+    last = torch.randn(3, 8, generator=g).bfloat16()
+    assert torch.equal(parts.logits(last), last.float() @ emb.float().T)
+
+
+def test_bf16_lm_head_refuses_wider_hidden_states():
+    w = torch.randn(50, 8).bfloat16()
+    parts = TargetParts(w, w, None, LogitRule(), None)  # as `to(bf16_hidden=True)` leaves it on a GPU
+    with pytest.raises(ValueError, match="bf16 hidden states"):
+        parts.logits(torch.randn(3, 8))
