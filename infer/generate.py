@@ -166,7 +166,8 @@ class EagleGenerator:
         if s.temperature <= 0:
             return int(logits.argmax())
         # on the host: the seeded generator is a CPU one, and draws match across devices
-        return int(torch.multinomial(sampling_probs(logits[None], s.temperature, s.top_p)[0].cpu(), 1, generator=gen))
+        probs = sampling_probs(logits[None], s.temperature, s.top_p)[0].cpu()
+        return int(torch.multinomial(probs, 1, generator=gen))
 
     def _finish(self, out: list[int], s: SpecSettings) -> tuple[list[int], str | None]:
         """Cut at EOS, a stop string or max_new_tokens; returns (tokens, reason or None to go on).
@@ -284,7 +285,8 @@ class EagleGenerator:
         if s.temperature <= 0:
             accepted, bonus = accept_greedy_tensor(tree, logits.argmax(-1))
         else:
-            accepted, bonus = accept_sampling(tree, sampling_probs(logits, s.temperature, s.top_p).cpu(), gen)
+            probs = sampling_probs(logits, s.temperature, s.top_p).cpu()  # drawn on the host, as `_pick`
+            accepted, bonus = accept_sampling(tree, probs, gen)
         src, dst = compaction_indices(plen, accepted)
         self.target.compact(cache, src, dst, plen + len(accepted))
         stats.rounds += 1

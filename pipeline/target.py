@@ -247,7 +247,10 @@ def target_logits(last_hidden: torch.Tensor, lm_weight: torch.Tensor, lm_bias: t
                   rule: LogitRule, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The target's logits from its final-norm hidden state [N, H] (what its lm_head consumes).
     out_dtype: the GEMM's output dtype when it differs from its inputs' (aten::mm.dtype, GPU only)."""
-    logits = last_hidden @ lm_weight.T if out_dtype is None else torch.mm(last_hidden, lm_weight.T, out_dtype=out_dtype)
+    if out_dtype is None:
+        logits = last_hidden @ lm_weight.T
+    else:
+        logits = torch.mm(last_hidden, lm_weight.T, out_dtype=out_dtype)
     if lm_bias is not None:
         logits = logits + lm_bias
     if rule.scale != 1.0:

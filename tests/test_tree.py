@@ -4,8 +4,8 @@ import collections
 import torch
 from scipy.stats import chisquare
 
-from infer.tree import (Candidates, Tree, accept_greedy, accept_sampling, compaction_indices, finalize, grow, rerank,
-                        verify_mask)
+from infer.tree import (Candidates, Tree, accept_greedy, accept_sampling, compaction_indices, finalize, grow,
+                        rerank, verify_mask)
 
 
 def hand_tree():

@@ -47,8 +47,9 @@ def main(argv=None) -> dict:
     matched, mismatches, stats = 0, [], []
     for i, text in enumerate(texts):
         ids = chat_ids(gen.tokenizer, text)
-        want = gen.target.model.generate(torch.tensor([ids], device=gen.target.device),
-                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=gen.target.device),
+        dev = gen.target.device
+        want = gen.target.model.generate(torch.tensor([ids], device=dev),
+                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
                                          max_new_tokens=args.max_new_tokens, do_sample=False)[0, len(ids):].tolist()
         got = gen.generate(ids, s)
         stats.append(got.stats)

@@ -55,8 +55,9 @@ class TargetParts:
         exact in fp32) at a fraction of the time (docs/ARCHITECTURE.md "Target logits on a GPU")."""
         bias = None if self.lm_bias is None else self.lm_bias.to(device, torch.float32)
         keep = bf16_hidden and torch.device(device).type == "cuda" and self.lm_weight.dtype == torch.bfloat16
-        return TargetParts(self.embedding.to(device, embed_dtype or self.embedding.dtype),
-                           self.lm_weight.to(device, None if keep else torch.float32), bias, self.rule, self.config)
+        lm_weight = self.lm_weight.to(device, None if keep else torch.float32)
+        return TargetParts(self.embedding.to(device, embed_dtype or self.embedding.dtype), lm_weight, bias,
+                           self.rule, self.config)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The draft's token embeddings: a plain lookup in the target's embedding matrix, which is what
