@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,13 +82,13 @@ class DraftGate:
     decay: float = 0.5
     min_backoff: int = 2
     max_backoff: int = 32
-    score: float | None = None
-    backoff: int = 0  # set to min_backoff
-    plain_left: int = 0
-    probing: bool = False
+    score: float | None = field(default=None, init=False)
+    backoff: int = field(default=0, init=False)  # starts at min_backoff
+    plain_left: int = field(default=0, init=False)
+    probing: bool = field(default=False, init=False)
 
     def __post_init__(self):
-        self.backoff = self.backoff or self.min_backoff
+        self.backoff = self.min_backoff
 
     def drafts(self) -> bool:
         """Whether this round drafts; a plain step is counted off the backoff."""

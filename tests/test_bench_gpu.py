@@ -22,7 +22,7 @@ def test_bench_gpu_tiny_shape_runs_every_section(tmp_path):
                  "hf_generate"):
         assert "error" not in res[name] and "skipped" not in res[name], (name, res[name])
     t = res["train"]
-    assert t["tokens_per_s"] > 0 and 0 < t["mfu"] < 1.5
+    assert t["tokens_per_s"] > 0 and t["mfu"] > 0  # the peak is timed on a loaded CPU too: no upper bound
     assert t["loss_vs_fp32_lm_head"][0] == t["loss_vs_fp32_lm_head"][1]  # CPU keeps the fp32 lm_head
     lean, draft = res["target_lean"], res["draft"]
     for n in bench_gpu.VERIFY_NODES:

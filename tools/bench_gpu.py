@@ -84,7 +84,7 @@ def hardware(run: Run, n: int) -> dict:
     src = torch.empty(2 ** 30 if run.device.type == "cuda" else 2 ** 24, dtype=torch.uint8, device=run.device)
     dst = torch.empty_like(src)
     copy = run.ms(lambda: dst.copy_(src), 10)
-    out = {"bf16_gemm_tflops": round(2 * n ** 3 / gemm / 1e9, 1), "gemm_n": n,
+    out = {"bf16_gemm_tflops": 2 * n ** 3 / gemm / 1e9, "gemm_n": n,  # unrounded: MFUs divide by it
            "copy_gb_s": round(2 * src.numel() / copy / 1e6, 1)}  # bytes read + written
     if run.device.type == "cuda":
         out["name"] = torch.cuda.get_device_name()
@@ -293,7 +293,7 @@ def main(argv=None) -> dict:
     run.result["shape"] = {"name": args.shape, **shape}
     run.result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
     run.section("hardware", hardware, shape["gemm"])
-    peak = run.result["hardware"].get("bf16_gemm_tflops", float("nan"))
+    peak = run.result["hardware"].get("bf16_gemm_tflops", float("nan"))  # nan: MFUs unknown, not an error
     model = random_target(shape, run.device)
     aux_ids = default_aux_layers(model.config.num_hidden_layers)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
