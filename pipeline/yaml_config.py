@@ -54,15 +54,23 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def _set_dotted(tree: dict, parts: list[str], value: Any, item: str) -> None:
-    node = tree
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = value
+    """Set tree[a][b]... = value; a part that names a list takes an index (`ingest.sources.0.max_records`)."""
+    node: Any = tree
+    for i, part in enumerate(parts):
+        where = ".".join(parts[:i + 1])
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not (part.isdigit() and int(part) < len(node)):
+                raise ConfigError(f"override {item!r}: {where}: not an index of the list's {len(node)} items")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[:i])} is not a section")
+        if last:
+            node[part] = value
+        else:
+            if isinstance(node, dict) and node.get(part) is None:
+                node[part] = {}
+            node = node[part]
 
 
 def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:

@@ -78,6 +78,25 @@ def test_missing_required_and_bad_top_level(tmp_path):
         load_config(Stage, write(tmp_path, "name: a\n  bad: [\n"))
 
 
+def test_override_indexes_into_lists(tmp_path):
+    class Source(StrictModel):
+        path: str
+        max_records: int | None = None
+
+    class Ingest(StrictModel):
+        sources: list[Source]
+
+    p = write(tmp_path, "sources:\n  - {path: a}\n  - {path: b, max_records: 5}\n")
+    cfg = load_config(Ingest, p, ["sources.1.max_records=80", "sources.0.path=c"])
+    assert [(s.path, s.max_records) for s in cfg.sources] == [("c", None), ("b", 80)]
+    with pytest.raises(ConfigError, match=r"override 'sources.2.path=d': sources.2: not an index of the list's 2"):
+        load_config(Ingest, p, ["sources.2.path=d"])
+    with pytest.raises(ConfigError, match=r"sources.x: not an index"):
+        load_config(Ingest, p, ["sources.x.path=d"])
+    with pytest.raises(ConfigError, match=r"override 'sources.0.path.z=1': sources.0.path is not a section"):
+        load_config(Ingest, p, ["sources.0.path.z=1"])
+
+
 def test_split_cli():
     assert split_cli(["c.yaml", "a.b=1", "--plan", "x=y"]) == ("c.yaml", ["a.b=1", "x=y"], ["--plan"])
 
