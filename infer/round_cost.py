@@ -152,32 +152,47 @@ def measure_round_costs(target, draft, top_k: int, prefixes: tuple[int, int] = (
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (max(prefixes) + nodes,), generator=gen)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    tree = probe_tree(nodes)
     step, node = [], []
-    empty = torch.zeros(0, dtype=torch.long)
     for p in prefixes:
-        cache = target.new_cache()
-        _, aux = target.forward(ids[:p], torch.arange(p), cache, last_only=True)
-
-        def one(tokens, positions, mask=None):
-            target.forward(tokens, positions, cache, mask)
-            target.compact(cache, empty, empty, p)
-
-        t1 = median_ms(lambda: one(ids[p:p + 1], torch.tensor([p])), reps, sync)
-        masks = target.verify_masks(tree, p)
-        tn = median_ms(lambda: one(ids[p:p + nodes], tree.positions(p), masks), reps, sync)
+        (t1, tn), aux = target_times(target, ids, p, (1, nodes), reps, sync)
         step.append(t1)
         node.append(max(0.0, (tn - t1) / (nodes - 1)))
     span = prefixes[1] - prefixes[0]
     step_slope, node_slope = (step[1] - step[0]) / span, (node[1] - node[0]) / span
-    level, ingest = _draft_costs(draft, aux, ids, prefixes[0], top_k, reps, sync)
+    d = draft_times(draft, aux, ids, prefixes[0], top_k, reps, sync)
     return RoundCosts(step=step[0] - step_slope * prefixes[0], step_per_key=step_slope,
-                      node=node[0] - node_slope * prefixes[0], node_per_key=node_slope, level=level, ingest=ingest)
+                      node=node[0] - node_slope * prefixes[0], node_per_key=node_slope, level=d["level"],
+                      ingest=d["ingest"])
 
 
-def _draft_costs(draft, aux: torch.Tensor, ids: torch.Tensor, p: int, top_k: int, reps: int, sync
-                 ) -> tuple[float, float]:
-    """(one draft level, an ingest of 3 tokens) in ms after a p-token prefix; the draft is reset after."""
+@torch.no_grad()
+def target_times(target, ids: torch.Tensor, p: int, sizes, reps: int, sync) -> tuple[list[float], torch.Tensor]:
+    """ms of a forward of each size in `sizes` after a p-token prefix of ids (1: the 1-token step; n > 1: a
+    `probe_tree(n)` verify under its masks), the cache cut back to p after each; also the prefix's aux."""
+    cache = target.new_cache()
+    _, aux = target.forward(ids[:p], torch.arange(p), cache, last_only=True)
+    empty = torch.zeros(0, dtype=torch.long)
+
+    def one(tokens, positions, mask=None):
+        target.forward(tokens, positions, cache, mask)
+        target.compact(cache, empty, empty, p)
+
+    times = []
+    for n in sizes:
+        if n == 1:
+            times.append(median_ms(lambda: one(ids[p:p + 1], torch.tensor([p])), reps, sync))
+        else:
+            tree = probe_tree(n)
+            masks = target.verify_masks(tree, p)
+            times.append(median_ms(lambda: one(ids[p:p + n], tree.positions(p), masks), reps, sync))
+    return times, aux
+
+
+@torch.no_grad()
+def draft_times(draft, aux: torch.Tensor, ids: torch.Tensor, p: int, top_k: int, reps: int, sync,
+                depth: int = 3, total_tokens: int = 2) -> dict:
+    """ms after a p-token prefix: one draft level (from trees of depth 1 and `depth`), an ingest of 3
+    tokens, and the whole tree of `depth`; the draft is reset after."""
     dev = aux.device
     ids = ids.to(dev)
     draft.reset()
@@ -190,7 +205,7 @@ def _draft_costs(draft, aux: torch.Tensor, ids: torch.Tensor, p: int, top_k: int
 
     t_ingest = median_ms(ingest, reps, sync)
     draft.cache.committed = committed
-    grow = [median_ms(lambda: draft.build_tree(int(ids[p]), hid, dlog, p - 1, top_k, d, 2), reps, sync)
-            for d in (1, 3)]
+    grow = [median_ms(lambda: draft.build_tree(int(ids[p]), hid, dlog, p - 1, top_k, d, total_tokens), reps,
+                      sync) for d in (1, depth)]
     draft.reset()
-    return max(0.0, (grow[1] - grow[0]) / 2), t_ingest
+    return {"level": max(0.0, (grow[1] - grow[0]) / (depth - 1)), "ingest": t_ingest, "tree": grow[1]}

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from infer.draft import DraftRunner
-from infer.round_cost import median_ms, probe_tree
+from infer.round_cost import draft_times, median_ms, target_times
 from infer.target import TargetRunner
 from pipeline.hidden import capture_hidden, to_host
 from pipeline.target import LogitRule, default_aux_layers
@@ -195,52 +195,28 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float) -> di
             "first_last_loss": [round(losses[0], 4), round(losses[-1], 4)]}
 
 
-@torch.no_grad()
 def target_costs(run: Run, model, aux_ids: list[int], prefix: int, lean: bool, exact: bool = False) -> dict:
-    """Our TargetRunner: the 1-token step and n-node verifies after `prefix` tokens (cache cut back each
-    time, as measure_round_costs does). exact: the lean forward's exact verify (the decoder's default)."""
+    """Our TargetRunner: the 1-token step and n-node verifies after `prefix` tokens, timed as
+    measure_round_costs times them. exact: the lean forward's exact verify (the decoder's default)."""
     runner = TargetRunner(model, aux_ids, lean=lean, exact_verify=exact)
     if lean and runner.lean is None:
         return {"skipped": "the lean forward refused this target (see the log line)"}
     info = {"exact_attention": runner.lean.exact_attention, "row_wise": runner.lean.row_wise} if exact else {}
     ids = torch.randint(3, model.config.vocab_size, (prefix + max(VERIFY_NODES),))
-    cache = runner.new_cache()
-    runner.forward(ids[:prefix], torch.arange(prefix), cache, last_only=True)
-    empty = torch.zeros(0, dtype=torch.long)
-
-    def one(tokens, positions, mask=None):
-        runner.forward(tokens, positions, cache, mask)
-        runner.compact(cache, empty, empty, prefix)
-
-    out = {**info, "step_ms": run.ms(lambda: one(ids[prefix:prefix + 1], torch.tensor([prefix])))}
-    for n in VERIFY_NODES:
-        tree = probe_tree(n)
-        masks = runner.verify_masks(tree, prefix)
-        out[f"verify{n}_ms"] = run.ms(lambda: one(ids[prefix:prefix + n], tree.positions(prefix), masks))
-    return out
+    times, _ = target_times(runner, ids, prefix, (1, *VERIFY_NODES), run.reps, run.sync)
+    return {**info, "step_ms": round(times[0], 3),
+            **{f"verify{n}_ms": round(t, 3) for n, t in zip(VERIFY_NODES, times[1:])}}
 
 
-@torch.no_grad()
 def draft_costs(run: Run, model, aux_ids: list[int], shape: dict, top_k: int, depth: int) -> dict:
     cfg, dev, p = model.config, run.device, shape["prefix"]
     head = Eagle3Head(head_config_from_target(cfg, shape["draft_vocab"])).to(dev, torch.bfloat16).eval()
     draft = DraftRunner(head, model.model.embed_tokens.weight)
-    runner = TargetRunner(model, aux_ids, lean=False)
     ids = torch.randint(3, cfg.vocab_size, (p + 1,))
-    _, aux = runner.forward(ids[:p], torch.arange(p), runner.new_cache())
-    ids = ids.to(dev)
-    hid, logits = draft.ingest(aux[:p - 3], ids[1:p - 2], torch.arange(p - 3, device=dev))
-    committed = draft.cache.committed
-
-    def ingest():
-        draft.cache.committed = committed
-        draft.ingest(aux[p - 3:p], ids[p - 2:p + 1], torch.arange(p - 3, p, device=dev))
-
-    t_ingest = run.ms(ingest)
-    draft.cache.committed = committed
-    grow = {d: run.ms(lambda: draft.build_tree(int(ids[p]), hid, logits, p - 1, top_k, d, 64)) for d in (1, depth)}
-    return {"top_k": top_k, "depth": depth, "ingest3_ms": t_ingest, "tree_ms": grow[depth],
-            "level_ms": round((grow[depth] - grow[1]) / (depth - 1), 3)}
+    _, aux = target_times(TargetRunner(model, aux_ids, lean=False), ids, p, (), run.reps, run.sync)
+    d = draft_times(draft, aux, ids, p, top_k, run.reps, run.sync, depth=depth, total_tokens=64)
+    return {"top_k": top_k, "depth": depth, "ingest3_ms": round(d["ingest"], 3), "tree_ms": round(d["tree"], 3),
+            "level_ms": round(d["level"], 3)}
 
 
 @torch.no_grad()
