@@ -23,7 +23,8 @@ class Data(StrictModel):
     # "steps" with 2+ workers: "measured" gives a rank that runs faster (its forwards' work per second)
     # more work at each step, for nodes or cores of unequal speed; the speeds are checkpointed, so a
     # resume is exact, but two fresh runs may plan differently. "equal": every run of a seed trains the
-    # same batches (on 2 equal cores measured plans gained nothing: README "Benchmarks").
+    # same batches (on 2 equal cores measured plans gained nothing: docs/MEASUREMENTS.md, "Training
+    # throughput").
     rank_speeds: Literal["measured", "equal"] = "equal"
     val_rows: int = Field(32, ge=0)           # held out (the last rows of the run) for eval metrics
     stream_buffer_mb: int | None = Field(None, gt=0)  # stream / hybrid: object-store budget of the data in
