@@ -84,8 +84,9 @@ class LeanTarget:
         # come out of one q|k|v call and are rotated together. None: the modules' path (`_layer`).
         self.script_args = self._script_args()
         # Below fp32, a masked verify row does not round like the 1-token step that HF generate takes
-        # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits.
-        self.exact_attention = exact_verify and self.weight.dtype != torch.float32
+        # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits. fp32 and
+        # fp64 take the one masked call: their rows differ from the steps' by ~1e-7 / ~1e-16 relative.
+        self.exact_attention = exact_verify and torch.finfo(self.weight.dtype).bits < 32
         # exact verify: [qkv, o, gate_up, down, lm_head] called a row at a time, where this CPU's GEMM rounds
         # a row of a multi-row call differently from its 1-row call (packed_linear.rows_depend_on_count)
         self.row_wise = [False] * 5

@@ -213,7 +213,8 @@ def draft_costs(run: Run, model, aux_ids: list[int], shape: dict, top_k: int, de
     head = Eagle3Head(head_config_from_target(cfg, shape["draft_vocab"])).to(dev, torch.bfloat16).eval()
     draft = DraftRunner(head, model.model.embed_tokens.weight)
     ids = torch.randint(3, cfg.vocab_size, (p + 1,))
-    _, aux = target_times(TargetRunner(model, aux_ids, lean=False), ids, p, (), run.reps, run.sync)
+    target = TargetRunner(model, aux_ids, lean=False)
+    _, aux = target.forward(ids[:p], torch.arange(p), target.new_cache(), last_only=True)  # the prefix's aux
     d = draft_times(draft, aux, ids, p, top_k, run.reps, run.sync, depth=depth, total_tokens=64)
     return {"top_k": top_k, "depth": depth, "ingest3_ms": round(d["ingest"], 3), "tree_ms": round(d["tree"], 3),
             "level_ms": round(d["level"], 3)}
