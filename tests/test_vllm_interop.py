@@ -32,6 +32,8 @@ def test_checker_arithmetic():
     pooled = check_vllm.pool(runs)
     assert pooled == {"drafts": 40, "accepted": 30, "accepted_per_pos": [16, 10, 4]}
     assert check_vllm.tau_from_counts(40, 30) == 1.75 and check_vllm.by_pos(pooled) == [0.4, 0.25, 0.1]
+    log = f"import noise\n{check_vllm.MARKER} sglang\nA\nB\n{check_vllm.MARKER} vanilla\nC\n"
+    assert check_vllm.split_log(log) == {"sglang": "A\nB\n", "vanilla": "C\n"}
 
 
 def test_vllm_aux_layers_from_log():

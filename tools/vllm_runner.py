@@ -1,17 +1,22 @@
-"""A process of its own for vLLM (its engine spawns workers and owns the process's threads): greedy
-EAGLE-3 chain decoding of token-id prompts with one head, and vLLM's own speculative counters. Driven by
-tools/check_vllm.py.
+"""A process of its own for vLLM (its engine owns the process's threads): greedy EAGLE-3 chain decoding of
+token-id prompts, one engine per run, every run in this one process. Driven by tools/check_vllm.py.
 
     .venv/bin/python tools/vllm_runner.py REQUEST.json RESULT.json
 
-REQUEST: {"target", "head" (null: no speculation), "k", "max_new_tokens", "prompts": [[ids]], "dtype",
-"max_model_len"}. RESULT: {"tokens": [[ids]], "drafts", "draft_tokens", "accepted", "accepted_per_pos",
-"load_s", "generate_s", "vllm_version"}. Only vLLM and the standard library are imported here.
+REQUEST: {"runs": [{"name", "target", "head" (null: no speculation), "k", "max_new_tokens", "prompts":
+[[ids]], "dtype", "max_model_len"}]}. RESULT: {name: {"tokens": [[ids]], "drafts", "draft_tokens",
+"accepted", "accepted_per_pos", "load_s", "generate_s", "vllm_version"}}. Each run's log starts with the
+line `MARKER NAME`, so a reader can tell which engine logged what. The engine runs in this process
+(no engine-core or worker processes): a process and its vLLM import per run were ~30 of the ~40 s each
+run took. Only vLLM and the standard library are imported here.
 """
+import gc
 import json
 import os
 import sys
 import time
+
+MARKER = "vllm_runner: run"
 
 
 def spec_counters(metrics) -> dict:
@@ -40,7 +45,7 @@ def run(req: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=req["target"], speculative_config=spec, dtype=req.get("dtype", "float32"),
               max_model_len=req.get("max_model_len", 512), enforce_eager=True, disable_log_stats=False,
-              seed=0)
+              distributed_executor_backend="uni", seed=0)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"])
     t0 = time.perf_counter()
@@ -50,13 +55,20 @@ def run(req: dict) -> dict:
               "finish_reasons": [o.outputs[0].finish_reason for o in outs],
               "load_s": round(load_s, 2), "generate_s": round(generate_s, 2), "vllm_version": vllm.__version__}
     result.update(spec_counters(llm.get_metrics()))
+    del llm
+    gc.collect()  # the next run's engine gets this one's KV cache memory back
     return result
 
 
-if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     request_path, result_path = sys.argv[1], sys.argv[2]
     with open(request_path) as f:
-        request = json.load(f)
+        runs = json.load(f)["runs"]
+    results = {}
+    for req in runs:
+        print(f"{MARKER} {req['name']}", flush=True)
+        results[req["name"]] = run(req)
     with open(result_path, "w") as f:
-        json.dump(run(request), f)
+        json.dump(results, f)
