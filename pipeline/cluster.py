@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import os
 
-# Stay on 127.0.0.1 and let Ray's own clients in (docs/ARCHITECTURE.md §9); must be set before Ray starts.
-for _k, _v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
-               ("RAY_USAGE_STATS_ENABLED", "0"), ("TOKENIZERS_PARALLELISM", "false")):
+# Stay on 127.0.0.1 and let Ray's own clients in; Ray Train's controller polls its workers every 0.25 s,
+# not 2 s, so a run ends when its workers do (docs/ARCHITECTURE.md §9). Set before Ray starts: its
+# processes inherit them.
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+for _k, _v in RAY_ENV.items():
     os.environ.setdefault(_k, _v)
 
 

@@ -13,11 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
 sys.path.insert(0, str(TOOLS))
 
-# Ray must bind 127.0.0.1 and let its own clients in (docs/ARCHITECTURE.md §9); set before anything imports ray.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import pipeline.cluster  # noqa: E402,F401 - sets Ray's environment (pipeline.cluster.RAY_ENV) before Ray starts
 
 
 @pytest.fixture(scope="session")
