@@ -83,7 +83,7 @@ def _stop_cluster(temp_dir: str) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
+    _, alive = psutil.wait_procs(procs, timeout=3)  # some ignore SIGTERM for 10 s+
     for p in alive:
         p.kill()
 
