@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -88,13 +87,12 @@ def run_vllm(python: str, target: Path, heads: dict[str, Path | None], prompts: 
              max_new: int, work: Path, dtype: str = "float32") -> dict[str, dict]:
     """Every head (None: no speculation) through vLLM, one engine after another in one runner process."""
     req, res, log = work / "vllm.request.json", work / "vllm.result.json", work / "vllm.log"
-    req.write_text(json.dumps({"runs": [
-        {"name": name, "target": str(target), "head": str(head) if head else None, "k": k,
-         "max_new_tokens": max_new, "prompts": prompts, "dtype": dtype} for name, head in heads.items()]}))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    req.write_text(json.dumps({"target": str(target), "k": k, "max_new_tokens": max_new, "prompts": prompts,
+                               "dtype": dtype, "runs": [{"name": name, "head": str(head) if head else None}
+                                                        for name, head in heads.items()]}))
     with log.open("w") as f:
         proc = subprocess.run([python, str(ROOT / "tools/vllm_runner.py"), str(req), str(res)],
-                              stdout=f, stderr=subprocess.STDOUT, env=env)
+                              stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0 or not res.is_file():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise RuntimeError(f"vLLM runner failed (exit {proc.returncode}); last lines of {log}:\n{tail}")

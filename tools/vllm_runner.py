@@ -3,12 +3,12 @@ token-id prompts, one engine per run, every run in this one process. Driven by t
 
     .venv/bin/python tools/vllm_runner.py REQUEST.json RESULT.json
 
-REQUEST: {"runs": [{"name", "target", "head" (null: no speculation), "k", "max_new_tokens", "prompts":
-[[ids]], "dtype", "max_model_len"}]}. RESULT: {name: {"tokens": [[ids]], "drafts", "draft_tokens",
-"accepted", "accepted_per_pos", "load_s", "generate_s", "vllm_version"}}. Each run's log starts with the
-line `MARKER NAME`, so a reader can tell which engine logged what. The engine runs in this process
-(no engine-core or worker processes): a process and its vLLM import per run were ~30 of the ~40 s each
-run took. Only vLLM and the standard library are imported here.
+REQUEST: {"target", "k", "max_new_tokens", "prompts": [[ids]], "dtype", "max_model_len", "runs": [{"name",
+"head" (null: no speculation)}]}: every run decodes the same prompts with its own head. RESULT: {name:
+{"tokens": [[ids]], "drafts", "draft_tokens", "accepted", "accepted_per_pos", "load_s", "generate_s",
+"vllm_version"}}. Each run's log starts with the line `MARKER NAME`, so a reader can tell which engine logged
+what. The engine runs in this process (no engine-core or worker processes): a process and its vLLM import per
+run were ~30 of the ~40 s each run took. Only vLLM and the standard library are imported here.
 """
 import gc
 import json
@@ -65,10 +65,10 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     request_path, result_path = sys.argv[1], sys.argv[2]
     with open(request_path) as f:
-        runs = json.load(f)["runs"]
+        request = json.load(f)
     results = {}
-    for req in runs:
-        print(f"{MARKER} {req['name']}", flush=True)
-        results[req["name"]] = run(req)
+    for one in request.pop("runs"):
+        print(f"{MARKER} {one['name']}", flush=True)
+        results[one["name"]] = run({**request, **one})
     with open(result_path, "w") as f:
         json.dump(results, f)
