@@ -15,6 +15,7 @@ memory would remove. The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from pathlib import Path
@@ -91,7 +92,8 @@ def lean_step(runner: TargetRunner, prompt: torch.Tensor):
 
 def hf_step(model, prompt: torch.Tensor):
     """HF's 1-token forward as `generate` calls it (a DynamicCache, use_cache), the appended row dropped after each."""
-    out = model(input_ids=prompt[None], use_cache=True, logits_to_keep=1)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=prompt[None], use_cache=True, **keep)
     past, n = out.past_key_values, len(prompt)
 
     def step():
