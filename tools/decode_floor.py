@@ -28,8 +28,10 @@ from infer.target import TargetRunner
 from pipeline.target import default_aux_layers, load_model, num_layers
 
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::mv")
-ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
-                 "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_attention_math",
+                 "aten::_scaled_dot_product_efficient_attention",
+                 "aten::_scaled_dot_product_flash_attention")
 
 
 def read_gb_s(mb: int = 256, reps: int = 7) -> float:
@@ -91,7 +93,8 @@ def lean_step(runner: TargetRunner, prompt: torch.Tensor):
 
 
 def hf_step(model, prompt: torch.Tensor):
-    """HF's 1-token forward as `generate` calls it (a DynamicCache, use_cache), the appended row dropped after each."""
+    """HF's 1-token forward as `generate` calls it (a DynamicCache, use_cache), the appended row dropped
+    after each."""
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     out = model(input_ids=prompt[None], use_cache=True, **keep)
     past, n = out.past_key_values, len(prompt)
