@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.profiler import profile
 
+from infer.round_cost import median_ms
 from infer.target import TargetRunner
 from pipeline.target import default_aux_layers, load_model, num_layers
 
@@ -37,13 +37,7 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
 def read_gb_s(mb: int = 256, reps: int = 7) -> float:
     """This machine's memory read rate: a sum over an fp32 buffer far larger than the caches (median)."""
     x = torch.ones(mb * 2 ** 18)
-    x.sum()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / sorted(times)[reps // 2] / 1e9
+    return x.numel() * 4 / median_ms(x.sum, reps) / 1e6
 
 
 def linear_bytes(model: nn.Module) -> tuple[int, int]:
@@ -61,14 +55,9 @@ def linear_bytes(model: nn.Module) -> tuple[int, int]:
 
 def anatomy(step, steps: int) -> dict:
     """Median wall ms of `step()` and, from one profiled pass, its linears / attention / rest as ms."""
-    for _ in range(10):  # warm-up: oneDNN's first calls and the allocator settle
+    for _ in range(8):  # with median_ms's two, ten warm-ups: oneDNN's first calls and the allocator settle
         step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    ms = sorted(times)[steps // 2] * 1e3
+    ms = median_ms(step, steps)
     with profile() as prof:
         for _ in range(steps):
             step()
