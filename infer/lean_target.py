@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from infer import fused_layer
 from infer.exact_attention import PathGroups, path_attention
 from infer.packed_linear import PackedLinear, packing_unsupported, rows_depend_on_count
 from infer.scripted_layer import attention_inputs, output_and_mlp
@@ -82,7 +83,11 @@ class LeanTarget:
         self.packed = pack_layers(model)
         # Packed Llama-shaped layers run as TorchScript (HF's ops, HF's bits, no per-op Python); q and k
         # come out of one q|k|v call and are rotated together. None: the modules' path (`_layer`).
+        self.fused = None  # the scripted halves' probe below runs without the C++ ones
         self.script_args = self._script_args()
+        # The scripted halves as one C++ call each where that extension builds here and keeps their bits
+        # (infer/fused_layer.py); None: the TorchScript halves.
+        self.fused = self._fused()
         # Below fp32, a masked verify row does not round like the 1-token step that HF generate takes
         # (docs/ARCHITECTURE.md "Exact verify attention"); path_attention gives that step's bits. fp32 and
         # fp64 take the one masked call: their rows differ from the steps' by ~1e-7 / ~1e-16 relative.
@@ -183,14 +188,21 @@ class LeanTarget:
         return x + by_rows(packed["down"], layer.mlp.act_fn(gate) * up, rows[3])
 
     def _layer_scripted(self, args: tuple, x, cos, sin, kv, start: int, end: int, mask, causal: bool,
-                        rows: list[bool]):
-        """`_layer` for a packed Llama-shaped layer, in its two TorchScript halves (infer/scripted_layer.py)
-        around the attention; args: this layer's `script_args` entry."""
+                        rows: list[bool], fused: bool = True):
+        """`_layer` for a packed Llama-shaped layer, in its two halves around the attention: the C++ ones
+        (`self.fused`, unless fused=False) or the TorchScript ones (infer/scripted_layer.py); args: this
+        layer's `script_args` entry."""
         norm1, eps1, qkv, qkv_b, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b = args
-        q, k, v = attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
-                                   self.head_dim, rows[:4])
+        halves = self.fused if fused and self.fused is not None else None
+        if halves is not None:  # writes k and v into the cache itself
+            q, k, v = halves.attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
+                                              self.head_dim, rows[0], kv, start), None, None
+        else:
+            q, k, v = attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
+                                       self.head_dim, rows[:4])
         attn = self._attend(q, k, v, kv, start, end, mask, causal)
-        return output_and_mlp(x, attn, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b, rows[:4])
+        tail = halves.output_and_mlp if halves is not None else output_and_mlp
+        return tail(x, attn, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b, rows[:4])
 
     def _row_wise(self) -> list[bool]:
         """[qkv, o, gate_up, down, lm_head]: which of layer 0's linears (as the forward calls them; every
@@ -212,15 +224,41 @@ class LeanTarget:
         return rows
 
     def _attend(self, q, k, v, kv, start: int, end: int, mask, causal: bool) -> torch.Tensor:
-        """Write k, v [1, kv_heads, n, D] at slots [start, end); attend q [1, heads, n, D] -> [1, n, heads * D]."""
+        """Write k, v [1, kv_heads, n, D] at slots [start, end) (None: written already); attend q
+        [1, heads, n, D] -> [1, n, heads * D]."""
         n, width = q.shape[2], self.heads * self.head_dim
-        kv[0, :, start:end] = k[0]
-        kv[1, :, start:end] = v[0]
+        if k is not None:
+            kv[0, :, start:end] = k[0]
+            kv[1, :, start:end] = v[0]
         if isinstance(mask, PathGroups):  # exact attention: [n, heads, 1, D]
             return path_attention(q, kv[:, :, :end], mask, self.scaling).reshape(1, n, width)
         o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
                                            is_causal=causal, scale=self.scaling, enable_gqa=True)
         return o.transpose(1, 2).reshape(1, n, width)
+
+    @torch.no_grad()
+    def _fused(self):
+        """The C++ halves (infer/fused_layer.py) when the layers are scripted, the extension is built here
+        and layer 0 through it gives the TorchScript halves' bits on a probe (rows after a cached prefix,
+        one row, and linears called a row at a time); else None."""
+        halves = fused_layer.module() if self.script_args is not None else None
+        if halves is None:
+            return None
+        self.fused = halves
+        gen = torch.Generator().manual_seed(1)
+        H = self.inner.embed_tokens.weight.shape[1]
+        for n, start, rows in ((5, 3, [False] * 4), (1, 7, [False] * 4), (4, 2, [True] * 4)):
+            x = torch.randn(1, n, H, generator=gen).to(self.weight)
+            cos, sin = self.inner.rotary_emb(x, torch.arange(start, start + n, device=x.device)[None])
+            cos, sin = cos[:, :, None], sin[:, :, None]
+            cached = torch.randn(2, self.kv_heads, start + n, self.head_dim, generator=gen).to(self.weight)
+            kv = [cached.clone(), cached.clone()]
+            outs = [self._layer_scripted(self.script_args[0], x, cos, sin, kv[i], start, start + n, None, n > 1,
+                                         rows, fused=i == 0) for i in range(2)]
+            if not (torch.equal(outs[0], outs[1]) and torch.equal(kv[0], kv[1])):
+                log.info("lean target keeps the TorchScript halves: the fused layer's probe differs")
+                return None
+        return halves
 
     @torch.no_grad()
     def _script_args(self) -> list[tuple] | None:

@@ -1,5 +1,6 @@
-"""bf16 decoding on oneDNN (infer/packed_linear.py, infer/scripted_layer.py, infer/exact_attention.py):
-packed linears give F.linear's rows bit for bit at any row count, scripted layers the modules' bits, a verified tree's rows are bit for bit what HF's own
+"""bf16 decoding on oneDNN (infer/packed_linear.py, infer/scripted_layer.py, infer/fused_layer.py,
+infer/exact_attention.py): packed linears give F.linear's rows bit for bit at any row count, scripted
+layers the modules' bits, the fused C++ halves the scripted ones', a verified tree's rows are bit for bit what HF's own
 1-token steps give for each node's path, and greedy tree decoding in bf16 is token-identical to HF generate
 in bf16. Skipped where this CPU has no oneDNN bf16 (the CI box has AMX)."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 import transformers as T
 
 from infer.generate import EagleGenerator, SpecSettings
+from infer import fused_layer
 from infer.exact_attention import PathGroups
 from infer.lean_target import LeanTarget
 from infer.packed_linear import PackedLinear, packing_unsupported, rows_depend_on_count, with_packed_linears
@@ -133,6 +135,41 @@ def test_scripted_layers_give_the_modules_bits(model):
     lean.script_args = None
     want = lean.forward(ids, pos, lean.new_cache())
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+
+
+def test_fused_layer_decodes_with_the_scripted_halves_bits():
+    """The C++ halves (infer/fused_layer.py) on a SmolLM2-shaped layer (576 wide, 9 / 3 heads of 64, a
+    1536 MLP): a prefill, 1-token steps and an exact tree verify give the TorchScript halves' logits and
+    aux states bit for bit, and the K/V they write into the cache."""
+    if fused_layer.module() is None:
+        pytest.skip("the fused layer does not build here (no C++ toolchain)")
+    m = bf16_model(T.LlamaConfig(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512))
+    lean = LeanTarget.build(m, [0, 1])
+    assert lean is not None and lean.fused is not None
+    halves = lean.fused
+    gen = torch.Generator().manual_seed(5)
+    keep, key_pos = random_tree_mask(9, 70, gen)
+    tree_tokens = ids_of(6, 9)
+
+    def decode(fused):
+        lean.fused = fused
+        cache, outs = lean.new_cache(), []
+        outs.append(lean.forward(ids_of(4, 60), torch.arange(60), cache))
+        for t, tok in enumerate(ids_of(5, 10).tolist()):
+            outs.append(lean.forward(torch.tensor([tok]), torch.tensor([60 + t]), cache))
+        outs.append(lean.forward(tree_tokens, key_pos[70:], cache, keep))
+        return outs, cache.kv[:, :, :, :cache.length].clone()
+
+    got, got_kv = decode(halves)
+    want, want_kv = decode(None)
+    assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert torch.equal(got_kv, want_kv)
+
+
+def test_fused_layer_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("EAGLERAY_FUSED_LAYER", "0")
+    assert fused_layer.module.__wrapped__() is None
 
 
 def test_a_layer_the_script_does_not_reproduce_keeps_the_modules_path():
