@@ -117,6 +117,7 @@ at::Tensor attention_inputs(const at::Tensor& x_in, const at::Tensor& norm_weigh
                             const at::Tensor& sin_in, int64_t heads, int64_t kv_heads, int64_t head_dim,
                             bool per_row, at::Tensor kv, int64_t start) {
   check_bf16(x_in, "x");
+  check_bf16(norm_weight, "the norm's weight");
   check_bf16(kv, "kv");
   const at::Tensor x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const int64_t n = x.size(1), H = x.size(2), D = head_dim, half = D / 2;
@@ -161,6 +162,7 @@ at::Tensor output_and_mlp(const at::Tensor& x_in, const at::Tensor& attn, const 
                           const at::Tensor& down, const std::optional<at::Tensor>& down_bias,
                           std::vector<bool> per_row) {
   check_bf16(x_in, "x");
+  check_bf16(norm_weight, "the norm's weight");
   TORCH_CHECK(per_row.size() >= 4, "per_row must name [qkv, o, gate_up, down]");
   const at::Tensor x = x_in.contiguous();
   const int64_t n = x.size(1), H = x.size(2);
