@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from infer import fused_layer
 from infer.packed_linear import PackedLinear, with_packed_linears
 from infer.round_cost import RoundPlan, cost_width
 from infer.scripted_layer import draft_inputs, draft_outputs
@@ -29,12 +30,15 @@ class DraftCache:
         self.v = torch.zeros_like(self.k)
         self.committed = 0
 
-    def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = slot + k.shape[2]
+    def reserve(self, end: int) -> None:
         if end > self.k.shape[2]:
             grow = max(end, 2 * self.k.shape[2]) - self.k.shape[2]
             pad = self.k.new_zeros((*self.k.shape[:2], grow, self.k.shape[3]))
             self.k, self.v = torch.cat([self.k, pad], dim=2), torch.cat([self.v, pad], dim=2)
+
+    def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = slot + k.shape[2]
+        self.reserve(end)
         self.k[:, :, slot:end] = k
         self.v[:, :, slot:end] = v
 
@@ -53,7 +57,11 @@ class DraftRunner:
         self.embed = embed
         attn = head.midlayer.self_attn
         self.cache = DraftCache(attn.kv_heads, attn.head_dim, embed)
+        self.fused = None  # the scripted halves' probe below runs without the C++ ones
         self.script_args = self._script_args() if self.head is not head else None
+        # The scripted halves as one C++ call each where that extension builds here and keeps their bits
+        # (infer/fused_layer.py); None: the TorchScript halves.
+        self.fused = self._fused()
         self.level_logits: list[torch.Tensor] = []  # the last tree's draft logits per level (tests read it)
         self.levels = 0  # draft levels the last tree grew (the root's children count as one)
         self.table: CandidateTable | None = None  # the last tree's candidates, kept or not
@@ -71,17 +79,25 @@ class DraftRunner:
         mask [m, slot + m] bool. -> (pre-norm outputs [m, H], logits [m, Vd], or [1, Vd] for the last
         element when last_only)."""
         emb = F.embedding(tokens, self.embed)[None]
+        end = slot + len(tokens)
         if self.script_args is None:
             q, k, v = self.head.qkv(h[None], emb, positions[None])
         else:
             inputs, outputs = self.script_args
             cos, sin = self.head.rotary(emb, positions[None])
-            q, k, v = draft_inputs(h[None], emb, *inputs[:4], cos[:, :, None], sin[:, :, None], *inputs[4:])
-        self.cache.write(slot, k, v)
-        kk, vv = self.cache.upto(slot + len(tokens))
+            if self.fused is not None:  # writes k and v into the cache itself
+                self.cache.reserve(end)
+                q = self.fused.draft_inputs(h[None], emb, *inputs[:4], cos, sin, *inputs[4:], self.cache.k[0],
+                                            self.cache.v[0], slot)
+            else:
+                q, k, v = draft_inputs(h[None], emb, *inputs[:4], cos[:, :, None], sin[:, :, None], *inputs[4:])
+        if self.fused is None or self.script_args is None:
+            self.cache.write(slot, k, v)
+        kk, vv = self.cache.upto(end)
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[None, None], enable_gqa=True)
         if self.script_args is not None:
-            x, logits = draft_outputs(h[None], out, *outputs, last_only)
+            halves = draft_outputs if self.fused is None else self.fused.draft_outputs
+            x, logits = halves(h[None], out, *outputs, last_only)
             return x[0], logits[0]
         x = self.head.finish(h[None], out)[0]
         return x, self.head.logits(x[-1:] if last_only else x)
@@ -112,6 +128,33 @@ class DraftRunner:
         got = self._step(h, tokens, pos, 0, mask)
         same = all(torch.equal(a, b) for a, b in zip(got, want))
         return args if same else None
+
+    @torch.no_grad()
+    def _fused(self):
+        """The C++ halves (infer/fused_layer.py) when the head's layer is scripted, the extension is built
+        here and probe steps through them (4 elements after 3 cached ones, then 1 with last_only) give the
+        scripted steps' outputs and cache bit for bit; else None."""
+        halves = fused_layer.module() if self.script_args is not None else None
+        if halves is None:
+            return None
+        gen = torch.Generator().manual_seed(1)
+        h = torch.randn(4, self.embed.shape[1], generator=gen).to(self.embed)
+        cached = torch.randn(1, self.cache.k.shape[1], 3, self.cache.k.shape[3], generator=gen).to(self.embed)
+        tokens, pos = torch.tensor([4, 5, 6, 7]), torch.arange(3, 7)
+        mask = torch.ones(4, 7, dtype=torch.bool)
+        mask[:, 3:] = torch.ones(4, 4, dtype=torch.bool).tril()
+        runs = []
+        for self.fused in (None, halves):
+            self.cache.write(0, cached, cached)
+            try:
+                run = [*self._step(h, tokens, pos, 3, mask), *self._step(h[:1], tokens[:1], pos[:1], 3, mask[:1, :4],
+                                                                          last_only=True)]
+            except RuntimeError:  # a layout the C++ halves refuse
+                runs = []
+                break
+            runs.append(run + [self.cache.k[:, :, :7].clone(), self.cache.v[:, :, :7].clone()])
+        self.fused, self.cache.committed = None, 0
+        return halves if len(runs) == 2 and all(torch.equal(a, b) for a, b in zip(*runs)) else None
 
     @torch.no_grad()
     def ingest(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):

@@ -196,7 +196,7 @@ class LeanTarget:
         halves = self.fused if fused and self.fused is not None else None
         if halves is not None:  # writes k and v into the cache itself
             q, k, v = halves.attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
-                                              self.head_dim, rows[0], kv, start), None, None
+                                              self.head_dim, rows[0], kv[0], kv[1], start), None, None
         else:
             q, k, v = attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
                                        self.head_dim, rows[:4])

@@ -311,8 +311,10 @@ def test_bf16_draft_fuses_its_projections_and_steps_like_the_plain_head():
             assert torch.equal(got, want)
         attn_out = torch.randn(1, cfg.num_attention_heads, 5, cfg.head_dim, generator=gen).bfloat16()
         assert torch.equal(runner.head.finish(h, attn_out), head.finish(h, attn_out))
-        # the scripted step (infer/scripted_layer.py) is the modules' step, bit for bit
+        # the scripted step (infer/scripted_layer.py), through the C++ halves where they build
+        # (infer/fused_layer.py), is the modules' step, bit for bit
         assert runner.script_args is not None
+        assert (runner.fused is not None) == (fused_layer.module() is not None)
         mask = torch.ones(5, 5, dtype=torch.bool).tril()
         got = runner._step(h[0], tokens[0], pos[0], 0, mask)
         runner.script_args = None

@@ -108,39 +108,30 @@ void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bf16 CPU tensor");
 }
 
-}  // namespace
-
-// x [1, n, H] -> q [1, heads, n, D]: input norm, packed q|k|v, q and k rotated (cos, sin: n x D values
-// in row order); k and v are written to kv [2, kv_heads, capacity, D] at slots [start, start + n).
-at::Tensor attention_inputs(const at::Tensor& x_in, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv,
-                            const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos_in,
-                            const at::Tensor& sin_in, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            bool per_row, at::Tensor kv, int64_t start) {
-  check_bf16(x_in, "x");
-  check_bf16(norm_weight, "the norm's weight");
-  check_bf16(kv, "kv");
-  const at::Tensor x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const int64_t n = x.size(1), H = x.size(2), D = head_dim, half = D / 2;
-  const int64_t width = (heads + 2 * kv_heads) * D;
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "x must be [1, n, H]");
+// The packed q|k|v output of n rows -> q [1, heads, n, D], with k and v written to k_cache and v_cache
+// [kv_heads, capacity, D] at slots [start, start + n): HF's x * cos + rotate_half(x) * sin, op by op,
+// on q and k (cos, sin: n x D values in row order).
+at::Tensor rotate_and_write(const at::Tensor& out, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t heads,
+                            int64_t kv_heads, int64_t D, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
+  const int64_t n = out.size(1), width = (heads + 2 * kv_heads) * D, half = D / 2;
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(out.size(2) == width, "q|k|v width ", out.size(2), " is not (heads + 2 kv_heads) x head_dim");
   TORCH_CHECK(cos.numel() == n * D && sin.numel() == n * D && cos.scalar_type() == at::kBFloat16 &&
               sin.scalar_type() == at::kBFloat16, "cos and sin must hold n x head_dim bf16 values");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.size(1) == kv_heads && kv.size(3) == D && kv.stride(3) == 1 &&
-              start >= 0 && start + n <= kv.size(2), "kv must be [2, kv_heads, capacity >= start + n, head_dim]");
-  at::Tensor h = at::empty({1, n, H}, x.options());
-  rms_norm_rows(x.data_ptr<BFloat16>(), norm_weight.contiguous().data_ptr<BFloat16>(), static_cast<float>(eps), n,
-                H, h.data_ptr<BFloat16>());
-  const at::Tensor out = linear_rows(h, qkv, qkv_bias, per_row);
-  TORCH_CHECK(out.size(2) == width, "q|k|v width ", out.size(2), " is not (heads + 2 kv_heads) x head_dim");
-  at::Tensor q = at::empty({1, heads, n, D}, x.options());
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    check_bf16(*c, "a K/V cache");
+    TORCH_CHECK(c->dim() == 3 && c->size(0) == kv_heads && c->size(2) == D && c->stride(2) == 1 && start >= 0 &&
+                start + n <= c->size(1), "K/V caches must be [kv_heads, capacity >= start + n, head_dim]");
+  }
+  at::Tensor q = at::empty({1, heads, n, D}, out.options());
   const BFloat16 *op = out.data_ptr<BFloat16>(), *cp = cos.data_ptr<BFloat16>(), *sp = sin.data_ptr<BFloat16>();
-  BFloat16 *qp = q.data_ptr<BFloat16>(), *kvp = kv.data_ptr<BFloat16>();
-  const int64_t s0 = kv.stride(0), s1 = kv.stride(1), s2 = kv.stride(2);
+  BFloat16 *qp = q.data_ptr<BFloat16>(), *kp = k_cache.data_ptr<BFloat16>(), *vp = v_cache.data_ptr<BFloat16>();
+  const int64_t kh = k_cache.stride(0), kn = k_cache.stride(1), vh = v_cache.stride(0), vn = v_cache.stride(1);
   for (int64_t r = 0; r < n; ++r) {
     const BFloat16 *row = op + r * width, *c = cp + r * D, *s = sp + r * D;
-    for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {  // HF's x * cos + rotate_half(x) * sin, op by op
+    for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
       const BFloat16* xh = row + hd * D;
-      BFloat16* dst = hd < heads ? qp + (hd * n + r) * D : kvp + (hd - heads) * s1 + (start + r) * s2;
+      BFloat16* dst = hd < heads ? qp + (hd * n + r) * D : kp + (hd - heads) * kh + (start + r) * kn;
       for (int64_t d = 0; d < D; ++d) {
         const float rot = d < half ? -static_cast<float>(xh[d + half]) : static_cast<float>(xh[d - half]);
         const float a = bf16_round(static_cast<float>(xh[d]) * static_cast<float>(c[d]));
@@ -149,32 +140,37 @@ at::Tensor attention_inputs(const at::Tensor& x_in, const at::Tensor& norm_weigh
       }
     }
     for (int64_t hd = 0; hd < kv_heads; ++hd)
-      std::memcpy(kvp + s0 + hd * s1 + (start + r) * s2, row + (heads + kv_heads + hd) * D, D * sizeof(BFloat16));
+      std::memcpy(vp + hd * vh + (start + r) * vn, row + (heads + kv_heads + hd) * D, D * sizeof(BFloat16));
   }
   return q;
 }
 
-// The rest of the layer: x + o(attn), then + down(silu(gate) * up) of its post-attention norm.
-// x [1, n, H], attn [1, n, heads x D]; per_row: [qkv, o, gate_up, down] called a row at a time.
-at::Tensor output_and_mlp(const at::Tensor& x_in, const at::Tensor& attn, const at::Tensor& o,
-                          const std::optional<at::Tensor>& o_bias, const at::Tensor& norm_weight, double eps,
-                          const at::Tensor& gate_up, const std::optional<at::Tensor>& gate_up_bias,
-                          const at::Tensor& down, const std::optional<at::Tensor>& down_bias,
-                          std::vector<bool> per_row) {
-  check_bf16(x_in, "x");
-  check_bf16(norm_weight, "the norm's weight");
-  TORCH_CHECK(per_row.size() >= 4, "per_row must name [qkv, o, gate_up, down]");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t n = x.size(1), H = x.size(2);
-  const at::Tensor attn_out = linear_rows(attn, o, o_bias, per_row[1]);
-  TORCH_CHECK(attn_out.numel() == n * H, "o's output is not [1, n, H]");
-  at::Tensor x1 = at::empty({1, n, H}, x.options()), h = at::empty({1, n, H}, x.options());
-  const BFloat16 *xp = x.data_ptr<BFloat16>(), *ap = attn_out.data_ptr<BFloat16>();
-  BFloat16* x1p = x1.data_ptr<BFloat16>();
-  for (int64_t i = 0; i < n * H; ++i) x1p[i] = BFloat16(static_cast<float>(xp[i]) + static_cast<float>(ap[i]));
-  rms_norm_rows(x1p, norm_weight.contiguous().data_ptr<BFloat16>(), static_cast<float>(eps), n, H,
-                h.data_ptr<BFloat16>());
-  const at::Tensor gu = linear_rows(h, gate_up, gate_up_bias, per_row[2]);
+// a + b of two bf16 tensors of n values, rounded once (a residual add).
+at::Tensor add_bf16(const at::Tensor& a_in, const at::Tensor& b_in) {
+  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  TORCH_CHECK(a.numel() == b.numel(), "residual shapes differ");
+  at::Tensor y = at::empty(a.sizes(), a.options());
+  const BFloat16 *ap = a.data_ptr<BFloat16>(), *bp = b.data_ptr<BFloat16>();
+  BFloat16* yp = y.data_ptr<BFloat16>();
+  for (int64_t i = 0; i < a.numel(); ++i) yp[i] = BFloat16(static_cast<float>(ap[i]) + static_cast<float>(bp[i]));
+  return y;
+}
+
+// LlamaRMSNorm of x [1, n, H] (contiguous) with its bf16 weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_bf16(weight, "the norm's weight");
+  at::Tensor h = at::empty(x.sizes(), x.options());
+  rms_norm_rows(x.data_ptr<BFloat16>(), weight.contiguous().data_ptr<BFloat16>(), static_cast<float>(eps),
+                x.numel() / x.size(-1), x.size(-1), h.data_ptr<BFloat16>());
+  return h;
+}
+
+// x + down(silu(gate) * up) of the norm of x: the MLP block with its residual.
+at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
+                     const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                     const std::optional<at::Tensor>& down_bias, bool gate_up_rows, bool down_rows) {
+  const int64_t n = x.size(1);
+  const at::Tensor gu = linear_rows(rms_norm(x, norm_weight, eps), gate_up, gate_up_bias, gate_up_rows);
   const int64_t I = gu.size(2) / 2;
   at::Tensor act = at::empty({1, n, I}, x.options());
   const BFloat16* gp = gu.data_ptr<BFloat16>();
@@ -200,15 +196,69 @@ at::Tensor output_and_mlp(const at::Tensor& x_in, const at::Tensor& attn, const 
       a[i] = BFloat16(bf16_round(gf / (1.f + std::exp(-gf))) * static_cast<float>(u[i]));
     }
   }
-  const at::Tensor dn = linear_rows(act, down, down_bias, per_row[3]);
-  at::Tensor y = at::empty({1, n, H}, x.options());
-  const BFloat16* dp = dn.data_ptr<BFloat16>();
-  BFloat16* yp = y.data_ptr<BFloat16>();
-  for (int64_t i = 0; i < n * H; ++i) yp[i] = BFloat16(static_cast<float>(x1p[i]) + static_cast<float>(dp[i]));
-  return y;
+  return add_bf16(x, linear_rows(act, down, down_bias, down_rows));
+}
+
+}  // namespace
+
+// Target layer, first half. x [1, n, H] -> q [1, heads, n, D]: input norm, packed q|k|v, q and k rotated
+// (cos, sin: n x D values in row order); k and v written to k_cache, v_cache [kv_heads, capacity, D] at
+// slots [start, start + n). per_row: the q|k|v linear a row at a time.
+at::Tensor attention_inputs(const at::Tensor& x_in, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv,
+                            const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, bool per_row, at::Tensor k_cache,
+                            at::Tensor v_cache, int64_t start) {
+  check_bf16(x_in, "x");
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "x must be [1, n, H]");
+  const at::Tensor out = linear_rows(rms_norm(x, norm_weight, eps), qkv, qkv_bias, per_row);
+  return rotate_and_write(out, cos, sin, heads, kv_heads, head_dim, k_cache, v_cache, start);
+}
+
+// Target layer, second half: x + o(attn), then its MLP block. x [1, n, H], attn [1, n, heads x D];
+// per_row: [qkv, o, gate_up, down] called a row at a time.
+at::Tensor output_and_mlp(const at::Tensor& x_in, const at::Tensor& attn, const at::Tensor& o,
+                          const std::optional<at::Tensor>& o_bias, const at::Tensor& norm_weight, double eps,
+                          const at::Tensor& gate_up, const std::optional<at::Tensor>& gate_up_bias,
+                          const at::Tensor& down, const std::optional<at::Tensor>& down_bias,
+                          std::vector<bool> per_row) {
+  check_bf16(x_in, "x");
+  TORCH_CHECK(per_row.size() >= 4, "per_row must name [qkv, o, gate_up, down]");
+  const at::Tensor x = add_bf16(x_in, linear_rows(attn, o, o_bias, per_row[1]));
+  return mlp_block(x, norm_weight, eps, gate_up, gate_up_bias, down, down_bias, per_row[2], per_row[3]);
+}
+
+// The draft head's layer (trainer/head.py), first half: [norm(emb), norm(h)] -> packed q|k|v -> q
+// [1, heads, m, D], k and v written to the draft cache at slots [slot, slot + m).
+at::Tensor draft_inputs(const at::Tensor& h, const at::Tensor& emb, const at::Tensor& input_norm,
+                        const at::Tensor& hidden_norm, double eps, const at::Tensor& qkv, const at::Tensor& cos,
+                        const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, at::Tensor k_cache,
+                        at::Tensor v_cache, int64_t slot) {
+  check_bf16(h, "h");
+  check_bf16(emb, "emb");
+  const at::Tensor x = at::cat({rms_norm(emb.contiguous(), input_norm, eps), rms_norm(h.contiguous(), hidden_norm, eps)}, -1);
+  return rotate_and_write(linear_rows(x, qkv, std::nullopt, false), cos, sin, heads, kv_heads, head_dim, k_cache,
+                          v_cache, slot);
+}
+
+// The draft head's layer, second half, and its logits: attn [1, heads, m, D] -> (pre-norm outputs
+// [1, m, H], draft logits [1, m, Vd], or [1, 1, Vd] for the last element when last_only).
+std::tuple<at::Tensor, at::Tensor> draft_outputs(const at::Tensor& h, const at::Tensor& attn, const at::Tensor& o,
+                                                 const at::Tensor& post_norm, double eps, const at::Tensor& gate_up,
+                                                 const at::Tensor& down, const at::Tensor& final_norm,
+                                                 const at::Tensor& lm_head, bool last_only) {
+  check_bf16(h, "h");
+  const int64_t m = attn.size(2);
+  const at::Tensor a = attn.transpose(1, 2).reshape({1, m, -1});
+  const at::Tensor x = mlp_block(add_bf16(h, packed_linear(a, o, std::nullopt)), post_norm, eps, gate_up,
+                                 std::nullopt, down, std::nullopt, false, false);
+  const at::Tensor y = last_only ? x.narrow(1, m - 1, 1).contiguous() : x;
+  return {x, packed_linear(rms_norm(y, final_norm, eps), lm_head, std::nullopt)};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_inputs", &attention_inputs);
   m.def("output_and_mlp", &output_and_mlp);
+  m.def("draft_inputs", &draft_inputs);
+  m.def("draft_outputs", &draft_outputs);
 }
