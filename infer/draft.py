@@ -91,7 +91,7 @@ class DraftRunner:
                                             self.cache.v[0], slot)
             else:
                 q, k, v = draft_inputs(h[None], emb, *inputs[:4], cos[:, :, None], sin[:, :, None], *inputs[4:])
-        if self.fused is None or self.script_args is None:
+        if self.fused is None:  # the fused draft_inputs wrote them already
             self.cache.write(slot, k, v)
         kk, vv = self.cache.upto(end)
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[None, None], enable_gqa=True)
@@ -144,7 +144,8 @@ class DraftRunner:
         mask = torch.ones(4, 7, dtype=torch.bool)
         mask[:, 3:] = torch.ones(4, 4, dtype=torch.bool).tril()
         runs = []
-        for self.fused in (None, halves):
+        for fused in (None, halves):
+            self.fused = fused
             self.cache.write(0, cached, cached)
             try:
                 run = [*self._step(h, tokens, pos, 3, mask), *self._step(h[:1], tokens[:1], pos[:1], 3, mask[:1, :4],

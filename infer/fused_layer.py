@@ -1,12 +1,13 @@
-"""The packed Llama-shaped layer's halves as one C++ call each (docs/ARCHITECTURE.md "Fused layer").
+"""The packed Llama-shaped layer's halves, and the draft head's, as one C++ call each (docs/ARCHITECTURE.md
+"Fused layer").
 
 The TorchScript halves (infer/scripted_layer.py) still run ~40 ATen kernels a layer between the linears:
 RMSNorm's eight, the rotation's seven, the K/V copies, SiLU, the residual adds, and the views around them,
 each paying ATen's dispatch and allocation (~7 ms of a 25 ms SmolLM2 step on a 2-core CPU).
 `infer/csrc/fused_layer.cpp` runs those as plain loops that round where PyTorch's kernels round, and calls
 the same packed linears. It is built on first use with torch's C++ extension loader (~30 s, cached under
-~/.cache/torch_extensions) for the vector width torch's own CPU kernels run at here, and `LeanTarget` uses
-it only where it gives the TorchScript halves' bits on a probe; else the TorchScript halves stay.
+~/.cache/torch_extensions) for the vector width torch's own CPU kernels run at here, and `LeanTarget` and
+`DraftRunner` use it only where it gives the TorchScript halves' bits on a probe; else those stay.
 `EAGLERAY_FUSED_LAYER=0` turns it off.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
-// A packed Llama-shaped decoder layer's two halves around its attention (docs/ARCHITECTURE.md "Fused
-// layer"): the same ATen linears as infer/scripted_layer.py, and everything between them (RMSNorm, the
-// rotation, the K/V write, SiLU * up, the residual adds) as plain loops instead of ~40 ATen kernels a
-// layer. Each loop rounds where PyTorch's CPU kernels round, so the bits are the TorchScript halves' (and
+// A packed Llama-shaped decoder layer's two halves around its attention, and the draft head's
+// (docs/ARCHITECTURE.md "Fused layer"): the same ATen linears as infer/scripted_layer.py, and everything
+// between them (RMSNorm, the rotation, the K/V write, SiLU * up, the residual adds) as plain loops instead
+// of ~40 ATen kernels a layer. Each loop rounds where PyTorch's CPU kernels round, so the bits are the TorchScript halves' (and
 // so HF's): fp32 statistics summed in the order of PyTorch's sum kernel, and a round to bf16 after every
 // op that PyTorch runs as its own bf16 kernel. infer/fused_layer.py checks that on a probe before use.
 // Built with -ffp-contract=off: a fused multiply-add would round once where PyTorch rounds twice.
