@@ -188,12 +188,12 @@ class LeanTarget:
         return x + by_rows(packed["down"], layer.mlp.act_fn(gate) * up, rows[3])
 
     def _layer_scripted(self, args: tuple, x, cos, sin, kv, start: int, end: int, mask, causal: bool,
-                        rows: list[bool], fused: bool = True):
+                        rows: list[bool]):
         """`_layer` for a packed Llama-shaped layer, in its two halves around the attention: the C++ ones
-        (`self.fused`, unless fused=False) or the TorchScript ones (infer/scripted_layer.py); args: this
+        (`self.fused`) or, where that is None, the TorchScript ones (infer/scripted_layer.py); args: this
         layer's `script_args` entry."""
         norm1, eps1, qkv, qkv_b, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b = args
-        halves = self.fused if fused and self.fused is not None else None
+        halves = self.fused
         if halves is not None:  # writes k and v into the cache itself
             q, k, v = halves.attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
                                               self.head_dim, rows[0], kv[0], kv[1], start), None, None
@@ -244,7 +244,6 @@ class LeanTarget:
         halves = fused_layer.module() if self.script_args is not None else None
         if halves is None:
             return None
-        self.fused = halves
         gen = torch.Generator().manual_seed(1)
         H = self.inner.embed_tokens.weight.shape[1]
         for n, start, rows in ((5, 3, [False] * 4), (1, 7, [False] * 4), (4, 2, [True] * 4)):
@@ -253,12 +252,15 @@ class LeanTarget:
             cos, sin = cos[:, :, None], sin[:, :, None]
             cached = torch.randn(2, self.kv_heads, start + n, self.head_dim, generator=gen).to(self.weight)
             kv = [cached.clone(), cached.clone()]
-            try:
-                outs = [self._layer_scripted(self.script_args[0], x, cos, sin, kv[i], start, start + n, None,
-                                             n > 1, rows, fused=i == 0) for i in range(2)]
-            except RuntimeError as err:  # a layout the C++ halves refuse (say, fp32 norm weights)
-                log.info("lean target keeps the TorchScript halves: %s", str(err).splitlines()[0])
-                return None
+            outs = []
+            for i, fused in enumerate((halves, None)):
+                self.fused = fused  # what _layer_scripted runs
+                try:
+                    outs.append(self._layer_scripted(self.script_args[0], x, cos, sin, kv[i], start, start + n,
+                                                     None, n > 1, rows))
+                except RuntimeError as err:  # a layout the C++ halves refuse (say, fp32 norm weights)
+                    log.info("lean target keeps the TorchScript halves: %s", str(err).splitlines()[0])
+                    return None
             if not (torch.equal(outs[0], outs[1]) and torch.equal(kv[0], kv[1])):
                 log.info("lean target keeps the TorchScript halves: the fused layer's probe differs")
                 return None
