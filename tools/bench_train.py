@@ -16,8 +16,8 @@ same run, alone and in two processes at once (what two workers can get from this
 most). FLOPs per token count what the trainer executes for useful tokens: the head's body on every token
 and TTT step, the draft lm_head and loss on the positions a step counts, the target lm_head (forward only)
 where a step reads it, x 3 for forward + backward on the head; padding is not counted, so it shows as a
-lower share. Ray's own processes (GCS, raylet, dashboard, Ray Data's executor tasks, the driver) are
-sampled by CPU time during the 2-worker run. The last line printed is one JSON object.
+lower share. Ray's own processes (GCS, raylet, dashboard, Ray Train's and Ray Data's actors and tasks, the
+driver) are sampled by CPU time every 2 s through the 2-worker run. The last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -99,23 +99,55 @@ def flops_per_token(target: str, draft_vocab: int, ttt_length: int, seq_len: flo
 
 
 class RayCpu:
-    """CPU seconds of every process on this machine that is not a training worker: Ray's GCS, raylet,
-    dashboard and agents, Ray Data's executor tasks and the driver (this process)."""
+    """CPU of every process on this machine that is not a training worker (Ray's GCS, raylet, dashboard and
+    agents, Ray Train's and Ray Data's actors, the driver: this process), in cores, over a `with` block.
+    Sampled every `every` seconds while the block runs: the actors a training run starts are gone when it
+    returns, so two snapshots around it would miss them (they read ~0.07 of a core low on 2 cores)."""
 
-    def __init__(self):
+    def __init__(self, every: float = 2.0):
+        import threading
+
         import psutil
 
-        self.psutil = psutil
+        self.psutil, self.every = psutil, every
+        self.start: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.seconds = 0.0
 
-    def sample(self) -> float:
-        total = 0.0
+    def sample(self) -> dict[int, float]:
+        """pid -> CPU seconds so far, of the processes counted."""
+        out = {}
         for p in self.psutil.process_iter(["name", "cmdline", "cpu_times"]):
             cmd = " ".join(p.info["cmdline"] or [])
             if "TrainWorker" in cmd or p.info["cpu_times"] is None:
                 continue
             if "ray" in cmd or "gcs_server" in (p.info["name"] or "") or p.pid == self.psutil.Process().pid:
-                total += p.info["cpu_times"].user + p.info["cpu_times"].system
-        return total
+                out[p.pid] = p.info["cpu_times"].user + p.info["cpu_times"].system
+        return out
+
+    def _poll(self) -> None:
+        while not self.done.wait(self.every):
+            self.last.update(self.sample())
+        self.last.update(self.sample())
+
+    def __enter__(self) -> "RayCpu":
+        self.start = self.sample()
+        self.t0 = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        self.seconds = time.perf_counter() - self.t0
+
+    def cores(self) -> float:
+        """Processes alive at the start count from their CPU then; those started inside, their whole life
+        (up to the last sample that saw them)."""
+        used = sum(c - self.start.get(pid, 0.0) for pid, c in self.last.items())
+        return used / max(self.seconds, 1e-9)
 
 
 def measure(base: dict, out: Path, epoch: int | None = None, **over) -> dict:
@@ -162,11 +194,10 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
     # 1 vs 2 workers: whole epochs, the last one measured (the first holds start-up and first touches)
     by_epoch = {"max_steps": 10 ** 6, "epochs": epochs, "log_every": 1}
     one = measure(base, work / "w1", epochs - 1, **by_epoch)
-    ray_cpu = RayCpu()
-    cpu0, t0 = ray_cpu.sample(), time.perf_counter()
-    two = measure(base, work / "w2", epochs - 1, **by_epoch,
-                  **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
-    ray_share = (ray_cpu.sample() - cpu0) / (time.perf_counter() - t0)
+    with RayCpu() as ray_cpu:
+        two = measure(base, work / "w2", epochs - 1, **by_epoch,
+                      **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
+    ray_share = ray_cpu.cores()
     extra_ms = {}
     if measured_speeds:  # the same 2 workers, plans weighted by their measured speeds (data.rank_speeds)
         two_ms = measure(base, work / "w2_measured", epochs - 1, **by_epoch, **{
