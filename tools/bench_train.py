@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
@@ -113,19 +114,18 @@ class RayCpu:
         self.psutil, self.every = psutil, every
         self.start: dict[int, float] = {}
         self.last: dict[int, float] = {}
-        self.series: list[tuple[float, float]] = []  # (seconds since start, cumulative CPU seconds)
+        self.series: list[tuple[float, float]] = [(0.0, 0.0)]  # (seconds since start, CPU seconds since)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.seconds = 0.0
 
     def sample(self) -> dict[int, float]:
         """pid -> CPU seconds so far, of the processes counted."""
-        out = {}
+        out, me = {}, os.getpid()
         for p in self.psutil.process_iter(["name", "cmdline", "cpu_times"]):
             cmd = " ".join(p.info["cmdline"] or [])
             if "TrainWorker" in cmd or p.info["cpu_times"] is None:
                 continue
-            if "ray" in cmd or "gcs_server" in (p.info["name"] or "") or p.pid == self.psutil.Process().pid:
+            if "ray" in cmd or "gcs_server" in (p.info["name"] or "") or p.pid == me:
                 out[p.pid] = p.info["cpu_times"].user + p.info["cpu_times"].system
         return out
 
@@ -147,17 +147,13 @@ class RayCpu:
     def __exit__(self, *exc) -> None:
         self.done.set()
         self.thread.join()
-        self.seconds = time.perf_counter() - self.t0
 
     def cores(self, tail: float = 1.0) -> float:
         """Cores used over the last `tail` share of the block (1: all of it, start-up included). Processes
         alive at the start count from their CPU then; those started inside, their whole life (up to the
         last sample that saw them)."""
-        if not self.series:
-            return 0.0
         end, used = self.series[-1]
-        t, before = next(((t, u) for t, u in self.series if t >= end * (1 - tail)), (0.0, 0.0)) \
-            if tail < 1 else (0.0, 0.0)
+        t, before = next((t, u) for t, u in self.series if t >= end * (1 - tail))
         return (used - before) / max(end - t, 1e-9)
 
 
