@@ -12,6 +12,23 @@ for _k, _v in RAY_ENV.items():
     os.environ.setdefault(_k, _v)
 
 
+# glibc hands a freed block of 32 MB or more straight back to the kernel (munmap) and trims its heaps, so a
+# CPU step that frees and reallocates its activations page-faults them in again, zeroed by the kernel, at
+# every step: 6-7% of a SmolLM2-shaped training step was system time (docs/ARCHITECTURE.md §9). One heap,
+# never trimmed, no mmap: freed memory stays in the process for the next step.
+KEEP_FREED_MEMORY = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
+                     "glibc.malloc.trim_threshold=68719476736")
+
+
+def cpu_worker_env(keep_freed_memory: bool) -> dict[str, str]:
+    """Environment for Ray worker processes that run torch on CPU (a runtime_env's env_vars). A
+    GLIBC_TUNABLES already set where the job starts is the user's choice and stays; other C libraries
+    ignore the variable."""
+    if not keep_freed_memory or "GLIBC_TUNABLES" in os.environ:
+        return {}
+    return {"GLIBC_TUNABLES": KEEP_FREED_MEMORY}
+
+
 def verbose() -> bool:
     """Ray worker and actor logs on the console (`--verbose` or EAGLERAY_VERBOSE=1); else they stay in
     Ray's log files and the console shows each stage's one-line summary."""

@@ -5,7 +5,7 @@ processes take.
     python tools/bench_train.py [--shape demo=runs/demo/target,runs/demo/data/capture]
                                 [--shape smollm2=runs/smollm2/target,runs/smollm2/data/capture] [--steps 12]
                                 [--epochs 2] [--compare-blocked] [--compare-measured-speeds]
-                                [--zero-stage 0|1|2|3]
+                                [--zero-stage 0|1|2|3] [--compare-system-malloc]
 
 All runs share one Ray instance and the same data order. The 1- and 2-worker runs train `--epochs` whole
 epochs and are measured over the last one: both then process the same rows, so their ratio compares equal
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.cluster import ensure_ray
+from pipeline.cluster import cpu_worker_env, ensure_ray
 from trainer.config import TrainConfig
 from trainer.driver import run_training
 
@@ -188,7 +188,7 @@ def measure(base: dict, out: Path, epoch: int | None = None, **over) -> dict:
 
 def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Path, blocked: bool,
                 zero_stage: int = 2, epochs: int = 2, cache_mb: int | None = None,
-                measured_speeds: bool = False) -> dict:
+                measured_speeds: bool = False, system_malloc: bool = False) -> dict:
     from pipeline.shards import read_manifest
 
     base = {"target": target, "data": {"shards": shards, "max_tokens_per_batch": 2048,
@@ -220,6 +220,11 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
         ref = measure(base, work / "blocked", **{"model.attention": "blocked"})
         extra = {"tokens_per_s_blocked_1w": ref["tokens_per_s"],
                  "default_vs_blocked_1w": round(one["tokens_per_s"] / ref["tokens_per_s"], 3)}
+    if system_malloc:  # the same epochs, 1 worker, freed memory handed back to the kernel (glibc's default)
+        sys_one = measure(base, work / "w1_system_malloc", epochs - 1, **by_epoch,
+                          **{"scaling.keep_freed_memory": False})
+        extra |= {"tokens_per_s_1w_system_malloc": sys_one["tokens_per_s"],
+                  "keep_vs_system_malloc_1w": round(one["tokens_per_s"] / sys_one["tokens_per_s"], 3)}
     man = read_manifest(Path(shards))
     vocab = int(man.get("draft_vocab_size") or 0) or _draft_vocab(Path(shards))
     seq = man["tokens"] / max(1, man["rows"])
@@ -254,6 +259,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     ap.add_argument("--compare-measured-speeds", action="store_true",
                     help="also run 2 workers with data.rank_speeds=measured (plans weighted by rank speed)")
+    ap.add_argument("--compare-system-malloc", action="store_true",
+                    help="also run 1 worker with scaling.keep_freed_memory=false (glibc hands freed memory back)")
     ap.add_argument("--cache-mb", type=int, default=None,
                     help="data.cache_mb of every run (default: the trainer's; 0 streams every epoch again)")
     args = ap.parse_args(argv)
@@ -271,7 +278,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         per = {name: bench_shape(t, s, args.steps, ttts, Path(d) / name, args.compare_blocked,
                                  args.zero_stage, args.epochs, args.cache_mb,
-                                 args.compare_measured_speeds)
+                                 args.compare_measured_speeds, args.compare_system_malloc)
                for name, (t, s) in shapes.items()}
     for r in per.values():
         r["share_of_peak"] = round(r["gflops_by_ttt"]["7"] / peak, 3)
@@ -281,7 +288,7 @@ def main(argv=None) -> dict:
               "tokens_per_s": {k: v["tokens_per_s"] for k, v in per.items()},
               "workers2_vs_1": {k: v["workers2_vs_1"] for k, v in per.items()},
               "shapes": per, "steps_per_sweep_run": args.steps, "epochs_1_vs_2": args.epochs, "zero_stage": args.zero_stage,
-              "cache_mb": args.cache_mb,
+              "cache_mb": args.cache_mb, "worker_env": cpu_worker_env(True),
               "threads_per_worker": 1}
     print(json.dumps(result))
     return result

@@ -66,6 +66,7 @@ class Scaling(StrictModel):
     use_gpu: bool = False
     cpus_per_worker: float = Field(1, gt=0)
     threads_per_worker: int | None = None
+    keep_freed_memory: bool = True  # CPU workers keep freed memory for the next step (pipeline/cluster.py)
 
 
 class DeepSpeedCfg(StrictModel):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from pipeline.cluster import cpu_worker_env
 from pipeline.progress import progress_bar
 from pipeline.target import TargetSpec
 from pipeline.vocab import load_draft_vocab
@@ -128,6 +129,7 @@ def fit(cfg: TrainConfig, dataset, loop_config: dict, live: bool = False) -> Non
     if live and cfg.data.stream_buffer_mb:
         limits = ray.data.ExecutionResources(object_store_memory=cfg.data.stream_buffer_mb * 2 ** 20)
     options = ray.data.ExecutionOptions(preserve_order=True, resource_limits=limits)
+    env = {} if cfg.scaling.use_gpu else cpu_worker_env(cfg.scaling.keep_freed_memory)
     TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
@@ -137,7 +139,8 @@ def fit(cfg: TrainConfig, dataset, loop_config: dict, live: bool = False) -> Non
         dataset_config=DataConfig(execution_options=options),
         run_config=RunConfig(name=RUN_NAME, storage_path=str(cfg.out_dir / "ray"),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-                             failure_config=FailureConfig(max_failures=0))).fit()
+                             failure_config=FailureConfig(max_failures=0),
+                             worker_runtime_env={"env_vars": env} if env else None)).fit()
 
 
 def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> dict:
