@@ -220,11 +220,15 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
         ref = measure(base, work / "blocked", **{"model.attention": "blocked"})
         extra = {"tokens_per_s_blocked_1w": ref["tokens_per_s"],
                  "default_vs_blocked_1w": round(one["tokens_per_s"] / ref["tokens_per_s"], 3)}
-    if system_malloc:  # the same epochs, 1 worker, freed memory handed back to the kernel (glibc's default)
+    if system_malloc:  # the same runs with freed memory handed back to the kernel (glibc's default)
         sys_one = measure(base, work / "w1_system_malloc", epochs - 1, **by_epoch,
                           **{"scaling.keep_freed_memory": False})
-        extra |= {"tokens_per_s_1w_system_malloc": sys_one["tokens_per_s"],
-                  "keep_vs_system_malloc_1w": round(one["tokens_per_s"] / sys_one["tokens_per_s"], 3)}
+        sys_two = measure(base, work / "w2_system_malloc", epochs - 1, **by_epoch, **{
+            "scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5, "scaling.keep_freed_memory": False})
+        extra |= {"tokens_per_s_system_malloc": {"1": sys_one["tokens_per_s"], "2": sys_two["tokens_per_s"]},
+                  "keep_vs_system_malloc": {"1": round(one["tokens_per_s"] / sys_one["tokens_per_s"], 3),
+                                            "2": round(two["tokens_per_s"] / sys_two["tokens_per_s"], 3)},
+                  "workers2_vs_1_system_malloc": round(sys_two["tokens_per_s"] / sys_one["tokens_per_s"], 3)}
     man = read_manifest(Path(shards))
     vocab = int(man.get("draft_vocab_size") or 0) or _draft_vocab(Path(shards))
     seq = man["tokens"] / max(1, man["rows"])
@@ -260,7 +264,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--compare-measured-speeds", action="store_true",
                     help="also run 2 workers with data.rank_speeds=measured (plans weighted by rank speed)")
     ap.add_argument("--compare-system-malloc", action="store_true",
-                    help="also run 1 worker with scaling.keep_freed_memory=false (glibc hands freed memory back)")
+                    help="also run 1 and 2 workers with scaling.keep_freed_memory=false (glibc's default)")
     ap.add_argument("--cache-mb", type=int, default=None,
                     help="data.cache_mb of every run (default: the trainer's; 0 streams every epoch again)")
     args = ap.parse_args(argv)
