@@ -200,15 +200,15 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
             "scaling": {"num_workers": 1, "cpus_per_worker": 1, "threads_per_worker": 1}}
     # 1 vs 2 workers: whole epochs, the last one measured (the first holds start-up and first touches)
     by_epoch = {"max_steps": 10 ** 6, "epochs": epochs, "log_every": 1}
+    two_workers = {"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5}
     one = measure(base, work / "w1", epochs - 1, **by_epoch)
     with RayCpu() as ray_cpu:
-        two = measure(base, work / "w2", epochs - 1, **by_epoch,
-                      **{"scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5})
+        two = measure(base, work / "w2", epochs - 1, **by_epoch, **two_workers)
     ray_share, ray_tail = ray_cpu.cores(), ray_cpu.cores(tail=0.4)
     extra_ms = {}
     if measured_speeds:  # the same 2 workers, plans weighted by their measured speeds (data.rank_speeds)
-        two_ms = measure(base, work / "w2_measured", epochs - 1, **by_epoch, **{
-            "scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5, "data.rank_speeds": "measured"})
+        two_ms = measure(base, work / "w2_measured", epochs - 1, **by_epoch, **two_workers,
+                         **{"data.rank_speeds": "measured"})
         extra_ms = {"tokens_per_s_2_measured_speeds": two_ms["tokens_per_s"],
                     "epoch_s_2_measured_speeds": two_ms["epoch_s"],
                     "pool_speeds_2_measured": two_ms["pool_speeds"],
@@ -223,8 +223,8 @@ def bench_shape(target: str, shards: str, steps: int, ttts: list[int], work: Pat
     if system_malloc:  # the same runs with freed memory handed back to the kernel (glibc's default)
         sys_one = measure(base, work / "w1_system_malloc", epochs - 1, **by_epoch,
                           **{"scaling.keep_freed_memory": False})
-        sys_two = measure(base, work / "w2_system_malloc", epochs - 1, **by_epoch, **{
-            "scaling.num_workers": 2, "scaling.cpus_per_worker": 0.5, "scaling.keep_freed_memory": False})
+        sys_two = measure(base, work / "w2_system_malloc", epochs - 1, **by_epoch, **two_workers,
+                          **{"scaling.keep_freed_memory": False})
         extra |= {"tokens_per_s_system_malloc": {"1": sys_one["tokens_per_s"], "2": sys_two["tokens_per_s"]},
                   "keep_vs_system_malloc": {"1": round(one["tokens_per_s"] / sys_one["tokens_per_s"], 3),
                                             "2": round(two["tokens_per_s"] / sys_two["tokens_per_s"], 3)},
