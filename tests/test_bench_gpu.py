@@ -18,10 +18,15 @@ def test_bench_gpu_tiny_shape_runs_every_section(tmp_path):
     out = tmp_path / "gpu.json"
     res = bench_gpu.main(["--shape", "tiny", "--device", "cpu", "--reps", "2", "--out", str(out)])
     assert json.loads(out.read_text())["train"] == res["train"]
-    for name in ("hardware", "capture", "train", "target_hf", "target_lean", "target_lean_exact", "draft",
-                 "hf_generate"):
+    for name in ("hardware", "capture", "ttt_attention", "train", "train_blocked", "target_hf", "target_lean",
+                 "target_lean_exact", "draft", "hf_generate"):
         assert "error" not in res[name] and "skipped" not in res[name], (name, res[name])
-    t = res["train"]
+    for kind in ("flash", "blocked"):  # bf16 against the fp32 blocked reference
+        att = res["ttt_attention"][kind]
+        assert att["out_rel_err"] < 2e-2 and att["grad_rel_err_max"] < 5e-2, (kind, att)
+    t, tb = res["train"], res["train_blocked"]
+    assert (t["attention"], tb["attention"]) == ("flash", "blocked")
+    assert t["first_last_loss"][0] == pytest.approx(tb["first_last_loss"][0], rel=1e-2)  # same batch and seed
     assert t["tokens_per_s"] > 0 and t["mfu"] > 0  # the peak is timed on a loaded CPU too: no upper bound
     assert t["loss_vs_fp32_lm_head"][0] == t["loss_vs_fp32_lm_head"][1]  # CPU keeps the fp32 lm_head
     lean, draft = res["target_lean"], res["draft"]

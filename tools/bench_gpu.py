@@ -32,7 +32,8 @@ from pipeline.target import LogitRule, default_aux_layers
 from trainer.cost import step_flops
 from trainer.head import Eagle3Head, head_config_from_target
 from trainer.target_parts import TargetParts
-from trainer.ttt import TTTObjective, target_distribution, target_rows
+from trainer.ttt import TTTObjective, target_distribution, target_rows, ttt_attention
+from trainer.ttt_flash import flash_available, ttt_attention_flash
 
 SHAPES = {  # Llama-3.1-8B's shape (RoPE scaling left out: it does not change a kernel's cost)
     "llama8b": {"config": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -134,10 +135,46 @@ def capture(run: Run, model, aux_ids: list[int], rows: int, seq: int, peak_tflop
             "bare_forward_mfu": round(flops / bare / 1e9 / peak_tflops, 3)}
 
 
-def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float) -> dict:
+def attention_check(run: Run, model, shape: dict, ttt: int) -> dict:
+    """The TTT attention of the last step (ttt - 1 diagonal key blocks) at the target's head shape, bf16:
+    forward + backward time and peak memory on the flash kernel and on the blocked reference, and each one's
+    output and gradients against the blocked reference in fp32 (max abs error over the reference's max)."""
+    cfg, dev = model.config, run.device
+    h, d, (b, t) = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, (shape["rows"], shape["seq"])
+    gen = torch.Generator(device=dev).manual_seed(0)
+    leaves = [torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2 * ttt + 1)]
+    w = torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, generator=gen)
+
+    def run_kind(kind: str, dtype):
+        xs = [x.to(dtype).requires_grad_() for x in leaves]
+        q, keys, vals = xs[0], xs[1:ttt + 1], xs[ttt + 1:]
+        if kind == "flash":
+            out = ttt_attention_flash(q, keys, vals)
+        else:
+            out = ttt_attention(q, keys, vals, torch.full((t, t), float("-inf"), device=dev, dtype=dtype).triu(1))
+        return [out.detach(), *torch.autograd.grad((out * w.to(dtype)).sum(), xs)]
+
+    ref = run_kind("blocked", torch.float32)
+    res = {"shape": [b, h, t, d], "diagonal_blocks": ttt - 1}
+    kinds = ["flash", "blocked"] if flash_available(leaves[0]) else ["blocked"]
+    for kind in kinds:
+        got = run_kind(kind, torch.bfloat16)
+        errs = [float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref)]
+        del got
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        ms = run.ms(lambda: run_kind(kind, torch.bfloat16), max(3, run.reps // 2))
+        res[kind] = {"fwd_bwd_ms": ms, "out_rel_err": round(errs[0], 6), "grad_rel_err_max": round(max(errs[1:]), 6),
+                     "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+                     if dev.type == "cuda" else None}
+    return res
+
+
+def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, attention: str = "auto") -> dict:
     """One TTT step as trainer/loop.py runs it (target lm_head on the rows read, objective, backward, AdamW),
     with the head in bf16 and AdamW's state in the parameters' dtype (DeepSpeed's bf16 keeps fp32 master
-    weights; its optimizer step is not what is measured here)."""
+    weights; its optimizer step is not what is measured here). attention: the objective's kernel choice."""
     cfg, dev, vd = model.config, run.device, shape["draft_vocab"]
     hc = head_config_from_target(cfg, vd)
     head = Eagle3Head(hc).to(dev, torch.bfloat16)
@@ -145,7 +182,10 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float) -> di
     whole = TargetParts(model.model.embed_tokens.weight, model.lm_head.weight, None, LogitRule.of(cfg), cfg)
     parts = whole.to(dev, torch.bfloat16, bf16_hidden=True)  # as trainer/loop.py on a GPU, bf16 shards
     parts32 = whole.to(dev, torch.bfloat16)  # the fp32 lm_head (CPU, or shards stored above bf16)
-    objective = TTTObjective(head, ttt, 0.8)
+    objective = TTTObjective(head, ttt, 0.8, attention)
+    flash = attention == "flash" or (attention == "auto" and flash_available(head.fc.weight, hc.head_dim))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     opt = torch.optim.AdamW(head.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {}))
     rows, seq = shape["rows"], shape["seq"]
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -185,7 +225,7 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float) -> di
     flops = step_flops(hc, ttt).batch(rows, seq, int(mask.sum()))
     target_flops = int(mask.sum()) * step_flops(hc, ttt).per_target_row
     tokens = rows * seq
-    return {"ttt": ttt, "rows": rows, "seq": seq, "draft_vocab": vd, "step_ms": t_step,
+    return {"attention": "flash" if flash else "blocked", "ttt": ttt, "rows": rows, "seq": seq, "draft_vocab": vd, "step_ms": t_step,
             "tokens_per_s": round(tokens / t_step * 1e3), "target_lm_head_ms": t_target,
             "target_lm_head_fp32_ms": t_lm32, "target_logits_rel_err_vs_fp32": logits_err,
             "loss_vs_fp32_lm_head": [round(loss_new, 6), round(loss_32, 6)],
@@ -276,7 +316,9 @@ def main(argv=None) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     run.result["weights_gb"] = round(weight_bytes / 1e9, 2)
     run.section("capture", capture, model, aux_ids, shape["rows"], shape["seq"], peak)
+    run.section("ttt_attention", attention_check, model, shape, args.ttt)
     run.section("train", train_step, model, shape, args.ttt, peak)
+    run.section("train_blocked", train_step, model, shape, args.ttt, peak, "blocked")
     run.section("target_hf", target_costs, model, aux_ids, shape["prefix"], False)
     run.section("target_lean", target_costs, model, aux_ids, shape["prefix"], True)
     run.section("target_lean_exact", target_costs, model, aux_ids, shape["prefix"], True, True)

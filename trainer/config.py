@@ -58,7 +58,7 @@ class Model(StrictModel):
     intermediate_size: int | None = None      # default: the target's
     init_from: ExistingPath | None = None     # an exported head (SGLang or speculators) to start from
     attention: Literal["auto", "flash", "blocked"] = "auto"  # TTT attention kernel (ARCHITECTURE.md §5):
-    #                                           auto = PyTorch's CPU flash kernel where it runs, else blocked
+    #                                           auto = PyTorch's flash kernel (CPU, CUDA) where it runs, else blocked
 
 
 class Scaling(StrictModel):

@@ -135,17 +135,18 @@ def step_weights(ttt_length: int, decay: float) -> list[float]:
 def ttt_unroll(head, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int, flash: bool | None = None):
     """The TTT steps of an Eagle3Head over a padded batch (index rules above): yields step s's output
     hidden [B, T, H] (pre-norm; `head.logits` of it are the step's logits) for s = 0 .. ttt_length-1.
-    aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids. flash: the CPU flash kernel
-    (trainer/ttt_flash.py) for the attention; None = wherever it runs, False = the blocked reference."""
+    aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids. flash: PyTorch's flash kernel
+    (trainer/ttt_flash.py, CPU or CUDA) for the attention; None = wherever it runs, False = the blocked
+    reference."""
     b, t, _ = emb.shape
     h = head.fc(aux)
-    if flash is None:
-        flash = flash_available(h)
-    elif flash and not flash_available(h):
-        raise ValueError(f"model.attention: flash needs PyTorch's CPU flash kernel (CPU fp32 / fp64 / bf16), "
-                         f"not {h.device.type} {h.dtype}; use auto or blocked")
-    causal = None if flash else torch.full((t, t), float("-inf"), device=emb.device, dtype=h.dtype).triu(1)
     attn_mod = head.midlayer.self_attn
+    if flash is None:
+        flash = flash_available(h, attn_mod.head_dim)
+    elif flash and not flash_available(h, attn_mod.head_dim):
+        raise ValueError(f"model.attention: flash needs PyTorch's flash kernel (CPU fp32 / fp64 / bf16; CUDA "
+                         f"bf16 / fp16, sm80+, head dim <= 256), not {h.device.type} {h.dtype}; use auto or blocked")
+    causal = None if flash else torch.full((t, t), float("-inf"), device=emb.device, dtype=h.dtype).triu(1)
     keys, values = [], []
     for s in range(ttt_length):
         pos = (torch.arange(t, device=emb.device) + s).unsqueeze(0).expand(b, t)

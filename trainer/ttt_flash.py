@@ -1,4 +1,5 @@
-"""TTT attention on PyTorch's CPU flash-attention kernel (ARCHITECTURE.md §5, "TTT attention kernels").
+"""TTT attention on PyTorch's flash-attention kernels, CPU and CUDA (ARCHITECTURE.md §5, "TTT attention
+kernels").
 
 Step s's queries see the step-0 keys causally plus their own position's keys from steps 1..s (the
 diagonal; see trainer/ttt.py). The causal block is the flash kernel's `is_causal` case, which never builds
@@ -12,21 +13,51 @@ Backward: the kernel's backward recomputes P = exp(S - lse) and D = rowsum(grad 
 inside the full softmax; the diagonal terms add dS_j = p_j (grad . v_j - D) by hand. On a SmolLM2-shaped
 step (2 x 1000 tokens, 9 heads, TTT 7, one thread) the attention forward + backward goes from 2.9 s
 (blocked, materialised) to 0.8 s, and the memory traffic that made two workers contend goes with it.
-`trainer.ttt.ttt_attention` stays the reference (and the path on other devices); tests compare both with
-the dense mask, gradients included.
+On CUDA the same merge runs on the FlashAttention-2 kernel (`_scaled_dot_product_flash_attention`: bf16 /
+fp16, head dim <= 256, sm80 or newer), which keeps a Llama-3.1-8B-shaped step's [B, h, T, T] fp32 scores
+out of memory (README "GPU").
+`trainer.ttt.ttt_attention` stays the reference (and the path elsewhere); tests compare both with the
+dense mask, gradients included.
 """
 from __future__ import annotations
 
 import torch
 
-_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CPU_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CUDA_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_CUDA_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", None)
 
 
-def flash_available(q: torch.Tensor) -> bool:
-    """The kernel exists in this torch build and runs on q's device and dtype."""
-    return (_FWD is not None and _BWD is not None and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.float64, torch.bfloat16))
+def flash_available(x: torch.Tensor, head_dim: int | None = None) -> bool:
+    """The kernel exists in this torch build and runs on x's device and dtype at head_dim (default: x's
+    last dim, as for q [B, h, T, d])."""
+    d = x.shape[-1] if head_dim is None else head_dim
+    if x.device.type == "cpu":
+        return _CPU_FWD is not None and _CPU_BWD is not None and x.dtype in (torch.float32, torch.float64,
+                                                                              torch.bfloat16)
+    if x.device.type == "cuda":
+        return (_CUDA_FWD is not None and _CUDA_BWD is not None and x.dtype in (torch.bfloat16, torch.float16)
+                and d <= 256 and d % 8 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 0))
+    return False
+
+
+def causal_forward(q, k, v, scale: float):
+    """The device's flash kernel, causal: (out [B, h, T, d], lse [B, h, >= T] fp32, what its backward
+    needs besides q, k, v, out and lse)."""
+    if q.device.type == "cuda":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _CUDA_FWD(q, k, v, 0.0, True, False, scale=scale)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    out, lse = _CPU_FWD(q, k, v, 0.0, True, scale=scale)
+    return out, lse, None
+
+
+def causal_backward(grad, q, k, v, out, lse, state, scale: float):
+    """(grad_q, grad_k, grad_v) of `causal_forward`, recomputed from the `out` and `lse` handed in."""
+    if state is None:
+        return _CPU_BWD(grad, q, k, v, out, lse, 0.0, True, scale=scale)
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return _CUDA_BWD(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
 
 
 class _TTTFlash(torch.autograd.Function):
@@ -36,18 +67,21 @@ class _TTTFlash(torch.autograd.Function):
     def forward(ctx, q, k0, v0, *diag):
         s = len(diag) // 2
         scale = q.shape[-1] ** -0.5
-        out, lse = _FWD(q, k0, v0, 0.0, True, scale=scale)
+        out, lse, ctx.state = causal_forward(q, k0, v0, scale)
         p = None
         if s:
+            t = q.shape[2]
             wide = torch.promote_types(q.dtype, torch.float32)  # merge in >= fp32 (lse is fp32 for bf16)
             d = torch.stack([(q * k).sum(-1, dtype=wide) for k in diag[:s]], dim=-1) * scale  # [B, h, T, s]
-            lse_causal = lse.to(wide)
+            lse_causal = lse[..., :t].to(wide)  # a kernel may pad lse's rows; the padding is never read
             total = torch.logaddexp(lse_causal, torch.logsumexp(d, dim=-1))
             p = torch.exp(d - total.unsqueeze(-1))
             merged = torch.exp(lse_causal - total).unsqueeze(-1) * out
             for j, v in enumerate(diag[s:]):
                 merged = merged + p[..., j:j + 1] * v
-            out, lse = merged.to(q.dtype), total.to(lse.dtype)
+            out = merged.to(q.dtype)
+            lse = lse.clone()
+            lse[..., :t] = total
         ctx.save_for_backward(q, k0, v0, out, lse, p, *diag)
         ctx.s, ctx.scale = s, scale
         return out
@@ -57,7 +91,7 @@ class _TTTFlash(torch.autograd.Function):
         q, k0, v0, out, lse, p, *diag = ctx.saved_tensors
         s, scale = ctx.s, ctx.scale
         grad = grad.contiguous()
-        gq, gk0, gv0 = _BWD(grad, q, k0, v0, out, lse, 0.0, True, scale=scale)
+        gq, gk0, gv0 = causal_backward(grad, q, k0, v0, out, lse, ctx.state, scale)
         if not s:
             return gq, gk0, gv0
         keys, values = diag[:s], diag[s:]
