@@ -56,3 +56,12 @@ def test_bf16_lm_head_refuses_wider_hidden_states():
     parts = TargetParts(w, w, None, LogitRule(), None)  # as `to(bf16_hidden=True)` leaves it on a GPU
     with pytest.raises(ValueError, match="bf16 hidden states"):
         parts.logits(torch.randn(3, 8))
+
+
+def test_bench_gpu_runs_only_the_sections_asked_and_profiles_the_step():
+    res = bench_gpu.main(["--shape", "tiny", "--device", "cpu", "--reps", "1", "--sections", "train", "--profile"])
+    ran = {k for k, v in res.items() if isinstance(v, dict) and k not in ("shape", "versions", "model_speedup")}
+    assert ran == {"hardware", "train"}, ran
+    prof = res["train"]["profile"]
+    assert prof["total_ms"] > 0 and len(prof["ops"]) == 20
+    assert sum(ms for _, ms, _ in prof["ops"]) <= prof["total_ms"] + 0.05  # the top ops are a part of the total

@@ -52,8 +52,10 @@ VERIFY_NODES = (16, 32, 64)
 class Run:
     """The device, its sync, the result tree written to `out` after each section, and the time budget."""
 
-    def __init__(self, device: str, out: Path | None, budget_s: float, reps: int):
+    def __init__(self, device: str, out: Path | None, budget_s: float, reps: int, only: set[str] | None = None,
+                 profile: bool = False):
         self.device, self.out, self.budget_s, self.reps = torch.device(device), out, budget_s, reps
+        self.only, self.profile = only, profile
         self.sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         self.t0, self.result = time.perf_counter(), {}
 
@@ -63,6 +65,8 @@ class Run:
     def section(self, name: str, fn, *args) -> None:
         """Run one section; its error is recorded (one line) instead of ending the run."""
         left = self.budget_s - (time.perf_counter() - self.t0)
+        if self.only is not None and name not in self.only and name != "hardware":
+            return
         if left <= 0:
             self.result[name] = {"skipped": "time budget spent"}
         else:
@@ -76,6 +80,24 @@ class Run:
         if self.out is not None:
             self.out.write_text(json.dumps(self.result, indent=1))
         print(f"[{self.result['elapsed_s']:7.1f}s] {name}: {json.dumps(self.result[name])[:600]}", flush=True)
+
+
+def top_ops(run: Run, fn, calls: int = 2, top: int = 20) -> dict:
+    """fn run `calls` times under torch.profiler: the ops with the most self time on the device (the CPU
+    where there is no GPU), in ms per call, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = run.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        run.sync()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    events.sort(key=lambda e: -getattr(e, attr))
+    return {"total_ms": round(sum(getattr(e, attr) for e in events) / 1e3 / calls, 2),
+            "ops": [[e.key[:80], round(getattr(e, attr) / 1e3 / calls, 2), e.count // calls] for e in events[:top]]}
 
 
 def hardware(run: Run, n: int) -> dict:
@@ -211,6 +233,7 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
         losses.append(float(out["loss"].detach()))
 
     t_step = run.ms(step)
+    profiled = top_ops(run, step) if run.profile else None
     t_target = run.ms(target_side)
     need = target_rows(mask)[0]
     with torch.no_grad():
@@ -232,7 +255,8 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
             "tflops": round(flops / t_step / 1e9, 1), "mfu": round(flops / t_step / 1e9 / peak_tflops, 3),
             "head_only_mfu": round((flops - target_flops) / max(t_step - t_target, 1e-6) / 1e9 / peak_tflops, 3),
             "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 1) if dev.type == "cuda" else None,
-            "first_last_loss": [round(losses[0], 4), round(losses[-1], 4)]}
+            "first_last_loss": [round(losses[0], 4), round(losses[-1], 4)],
+            **({"profile": profiled} if profiled else {})}
 
 
 def target_costs(run: Run, model, aux_ids: list[int], prefix: int, lean: bool, exact: bool = False) -> dict:
@@ -302,9 +326,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--levels", type=int, default=6, help="draft levels per round in the cost model")
     ap.add_argument("--new-tokens", type=int, default=64, help="HF generate's tokens")
+    ap.add_argument("--sections", default=None, help="comma-separated sections to run (hardware always runs)")
+    ap.add_argument("--profile", action="store_true", help="train sections: the ops with the most device time")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
-    run = Run(args.device, args.out, args.budget_s, args.reps)
+    only = set(args.sections.split(",")) if args.sections else None
+    run = Run(args.device, args.out, args.budget_s, args.reps, only, args.profile)
     import transformers
 
     run.result["shape"] = {"name": args.shape, **shape}
