@@ -32,7 +32,8 @@ from pipeline.target import LogitRule, default_aux_layers
 from trainer.cost import step_flops
 from trainer.head import Eagle3Head, head_config_from_target
 from trainer.target_parts import TargetParts
-from trainer.ttt import TTTObjective, target_distribution, target_rows, ttt_attention
+from trainer import ttt as ttt_module
+from trainer.ttt import TTTObjective, step_loss, target_distribution, target_rows, ttt_attention
 from trainer.ttt_flash import flash_available, ttt_attention_flash
 
 SHAPES = {  # Llama-3.1-8B's shape (RoPE scaling left out: it does not change a kernel's cost)
@@ -94,7 +95,9 @@ def top_ops(run: Run, fn, calls: int = 2, top: int = 20) -> dict:
             fn()
         run.sync()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    # on a GPU the kernels alone: an aten op's device time is its kernels' again
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0
+              and (not cuda or str(getattr(e, "device_type", "")).endswith("CUDA"))]
     events.sort(key=lambda e: -getattr(e, attr))
     return {"total_ms": round(sum(getattr(e, attr) for e in events) / 1e3 / calls, 2),
             "ops": [[e.key[:80], round(getattr(e, attr) / 1e3 / calls, 2), e.count // calls] for e in events[:top]]}
@@ -193,18 +196,26 @@ def attention_check(run: Run, model, shape: dict, ttt: int) -> dict:
     return res
 
 
-def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, attention: str = "auto") -> dict:
+def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, attention: str = "auto",
+               compiled: bool = False) -> dict:
     """One TTT step as trainer/loop.py runs it (target lm_head on the rows read, objective, backward, AdamW),
     with the head in bf16 and AdamW's state in the parameters' dtype (DeepSpeed's bf16 keeps fp32 master
-    weights; its optimizer step is not what is measured here). attention: the objective's kernel choice."""
+    weights; its optimizer step is not what is measured here). attention: the objective's kernel choice.
+    compiled: the head's qkv, finish and logits and the step loss through torch.compile (an experiment: the
+    trainer does not compile)."""
     cfg, dev, vd = model.config, run.device, shape["draft_vocab"]
     hc = head_config_from_target(cfg, vd)
+    torch.manual_seed(0)  # the same head in every train section, so their losses compare
     head = Eagle3Head(hc).to(dev, torch.bfloat16)
     head.set_vocab(torch.zeros(vd, dtype=torch.long), torch.arange(cfg.vocab_size) < vd)
     whole = TargetParts(model.model.embed_tokens.weight, model.lm_head.weight, None, LogitRule.of(cfg), cfg)
     parts = whole.to(dev, torch.bfloat16, bf16_hidden=True)  # as trainer/loop.py on a GPU, bf16 shards
     parts32 = whole.to(dev, torch.bfloat16)  # the fp32 lm_head (CPU, or shards stored above bf16)
     objective = TTTObjective(head, ttt, 0.8, attention)
+    if compiled:
+        head.qkv, head.finish = torch.compile(head.qkv), torch.compile(head.finish)
+        head.logits = torch.compile(head.logits, dynamic=True)  # the counted rows differ per step
+        ttt_module.step_loss = torch.compile(ttt_module.step_loss, dynamic=True)
     flash = attention == "flash" or (attention == "auto" and flash_available(head.fc.weight, hc.head_dim))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -232,8 +243,17 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
         opt.zero_grad(set_to_none=True)
         losses.append(float(out["loss"].detach()))
 
-    t_step = run.ms(step)
-    profiled = top_ops(run, step) if run.profile else None
+    try:
+        t_compile = time.perf_counter()
+        if compiled:
+            step()  # the compiles, not timed as a step
+        t_compile = time.perf_counter() - t_compile
+        t_step = run.ms(step)
+        profiled = top_ops(run, step) if run.profile else None
+    finally:  # the module's and the head's own again for what follows
+        ttt_module.step_loss = step_loss
+        if compiled:
+            del head.qkv, head.finish, head.logits
     t_target = run.ms(target_side)
     need = target_rows(mask)[0]
     with torch.no_grad():
@@ -256,7 +276,8 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
             "head_only_mfu": round((flops - target_flops) / max(t_step - t_target, 1e-6) / 1e9 / peak_tflops, 3),
             "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 1) if dev.type == "cuda" else None,
             "first_last_loss": [round(losses[0], 4), round(losses[-1], 4)],
-            **({"profile": profiled} if profiled else {})}
+            **({"profile": profiled} if profiled else {}),
+            **({"compile_s": round(t_compile, 1)} if compiled else {})}
 
 
 def target_costs(run: Run, model, aux_ids: list[int], prefix: int, lean: bool, exact: bool = False) -> dict:
@@ -355,7 +376,8 @@ def main(argv=None) -> dict:
     if copy:  # a 1-token step reads every weight once: bytes / (copy rate / 2, it counts read + write)
         run.result["step_floor_ms"] = round(weight_bytes / (copy / 2) / 1e6, 3)
     run.result["model_speedup"] = model_speedup(run.result, args.levels)
-    if run.device.type == "cuda":
+    if run.device.type == "cuda":  # compiles: minutes on a CPU
+        run.section("train_compiled", train_step, model, shape, args.ttt, peak, "auto", True)
         run.section("hf_generate_static_compiled", hf_generate, model, shape["prefix"], args.new_tokens, True)
     print(json.dumps(run.result))
     return run.result
