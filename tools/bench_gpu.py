@@ -32,8 +32,7 @@ from pipeline.target import LogitRule, default_aux_layers
 from trainer.cost import step_flops
 from trainer.head import Eagle3Head, head_config_from_target
 from trainer.target_parts import TargetParts
-from trainer import ttt as ttt_module
-from trainer.ttt import TTTObjective, step_loss, target_distribution, target_rows, ttt_attention
+from trainer.ttt import TTTObjective, target_distribution, target_rows, ttt_attention
 from trainer.ttt_flash import flash_available, ttt_attention_flash
 
 SHAPES = {  # Llama-3.1-8B's shape (RoPE scaling left out: it does not change a kernel's cost)
@@ -201,8 +200,7 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
     """One TTT step as trainer/loop.py runs it (target lm_head on the rows read, objective, backward, AdamW),
     with the head in bf16 and AdamW's state in the parameters' dtype (DeepSpeed's bf16 keeps fp32 master
     weights; its optimizer step is not what is measured here). attention: the objective's kernel choice.
-    compiled: the head's qkv, finish and logits and the step loss through torch.compile (an experiment: the
-    trainer does not compile)."""
+    compiled: the objective's pieces through torch.compile (`model.compile`)."""
     cfg, dev, vd = model.config, run.device, shape["draft_vocab"]
     hc = head_config_from_target(cfg, vd)
     torch.manual_seed(0)  # the same head in every train section, so their losses compare
@@ -211,11 +209,7 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
     whole = TargetParts(model.model.embed_tokens.weight, model.lm_head.weight, None, LogitRule.of(cfg), cfg)
     parts = whole.to(dev, torch.bfloat16, bf16_hidden=True)  # as trainer/loop.py on a GPU, bf16 shards
     parts32 = whole.to(dev, torch.bfloat16)  # the fp32 lm_head (CPU, or shards stored above bf16)
-    objective = TTTObjective(head, ttt, 0.8, attention)
-    if compiled:
-        head.qkv, head.finish = torch.compile(head.qkv), torch.compile(head.finish)
-        head.logits = torch.compile(head.logits, dynamic=True)  # the counted rows differ per step
-        ttt_module.step_loss = torch.compile(ttt_module.step_loss, dynamic=True)
+    objective = TTTObjective(head, ttt, 0.8, attention, compiled)
     flash = attention == "flash" or (attention == "auto" and flash_available(head.fc.weight, hc.head_dim))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -243,39 +237,35 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
         opt.zero_grad(set_to_none=True)
         losses.append(float(out["loss"].detach()))
 
-    try:
-        t_compile = time.perf_counter()
-        if compiled:
-            step()  # the compiles, not timed as a step
-        t_compile = time.perf_counter() - t_compile
-        t_step = run.ms(step)
-        profiled = top_ops(run, step) if run.profile else None
-    finally:  # the module's and the head's own again for what follows
-        ttt_module.step_loss = step_loss
-        if compiled:
-            del head.qkv, head.finish, head.logits
+    t_compile = time.perf_counter()
+    step()  # untimed in every section (a compiled one compiles here), so their loss lists compare
+    t_compile = time.perf_counter() - t_compile
+    t_step = run.ms(step)
+    profiled = top_ops(run, step) if run.profile else None
     t_target = run.ms(target_side)
     need = target_rows(mask)[0]
     with torch.no_grad():
         t_lm32 = run.ms(lambda: parts32.logits(last[need]))
         a, b = parts.logits(last[need]), parts32.logits(last[need])
         logits_err = float((a - b).abs().max() / b.abs().max())
-        emb, p, am, row = target_side()
-        loss_new = float(objective(aux, emb, p, am, row, mask)["loss"])
-        p32, am32 = target_distribution(b, head.t2d)
-        loss_32 = float(objective(aux, emb, p32, am32, row, mask)["loss"])
-        del a, b, p32
+        loss_pair = None
+        if not compiled:  # a compiled objective would compile again for no_grad
+            emb, p, am, row = target_side()
+            p32, am32 = target_distribution(b, head.t2d)
+            loss_pair = [round(float(objective(aux, emb, *pa, row, mask)["loss"]), 6) for pa in ((p, am), (p32, am32))]
+            del p32
+        del a, b
     flops = step_flops(hc, ttt).batch(rows, seq, int(mask.sum()))
     target_flops = int(mask.sum()) * step_flops(hc, ttt).per_target_row
     tokens = rows * seq
     return {"attention": "flash" if flash else "blocked", "ttt": ttt, "rows": rows, "seq": seq, "draft_vocab": vd, "step_ms": t_step,
             "tokens_per_s": round(tokens / t_step * 1e3), "target_lm_head_ms": t_target,
             "target_lm_head_fp32_ms": t_lm32, "target_logits_rel_err_vs_fp32": logits_err,
-            "loss_vs_fp32_lm_head": [round(loss_new, 6), round(loss_32, 6)],
+            "loss_vs_fp32_lm_head": loss_pair,
             "tflops": round(flops / t_step / 1e9, 1), "mfu": round(flops / t_step / 1e9 / peak_tflops, 3),
             "head_only_mfu": round((flops - target_flops) / max(t_step - t_target, 1e-6) / 1e9 / peak_tflops, 3),
             "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 1) if dev.type == "cuda" else None,
-            "first_last_loss": [round(losses[0], 4), round(losses[-1], 4)],
+            "first_last_loss": [round(losses[0], 4), round(losses[-1], 4)], "losses": [round(x, 5) for x in losses],
             **({"profile": profiled} if profiled else {}),
             **({"compile_s": round(t_compile, 1)} if compiled else {})}
 

@@ -59,6 +59,7 @@ class Model(StrictModel):
     init_from: ExistingPath | None = None     # an exported head (SGLang or speculators) to start from
     attention: Literal["auto", "flash", "blocked"] = "auto"  # TTT attention kernel (ARCHITECTURE.md §5):
     #                                           auto = PyTorch's flash kernel (CPU, CUDA) where it runs, else blocked
+    compile: bool = False  # torch.compile the step's pieces around the attention (ARCHITECTURE.md §5)
 
 
 class Scaling(StrictModel):

@@ -79,7 +79,8 @@ class HeadTrainer:
                   "oneDNN emulates it, ~100x slower than fp32 here; use deepspeed.dtype: fp32", flush=True)
         self.target = parts.to(self.device, self.compute_dtype, bf16_hidden=storage_dtype == "bf16")
         self.t2d = t2d.to(self.device)
-        self.engine = self._engine(TTTObjective(head, cfg.model.ttt_length, cfg.model.decay, cfg.model.attention))
+        m = cfg.model
+        self.engine = self._engine(TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile))
         self.head = self.engine.module.head
         inv = self.head.rotary.inv_freq
         assert inv.dtype == torch.float32, f"head RoPE inv_freq is {inv.dtype} after engine init, must stay fp32"

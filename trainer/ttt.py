@@ -165,11 +165,24 @@ class TTTObjective(nn.Module):
     The draft lm_head, the softmax and the loss run only on the positions a step counts (loss tokens
     inside the sequence): prompt, padding and the tail past the sequence cost no vocab-sized work."""
 
-    def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto"):
+    def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
+                 compile: bool = False):
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
+        self.step_loss = step_loss
+        if compile:
+            self.compile_pieces()
         self._register_load_state_dict_pre_hook(_add_head_prefix)
+
+    def compile_pieces(self) -> None:
+        """torch.compile the step's pieces between the attention calls (ARCHITECTURE.md §5, "Compiled
+        step"): the head's qkv and finish (fixed shapes per batch shape), its logits and the step loss (the
+        counted rows differ per step: dynamic). The attention stays outside, an autograd Function of its own."""
+        head = self.head
+        head.qkv, head.finish = torch.compile(head.qkv), torch.compile(head.finish)
+        head.logits = torch.compile(head.logits, dynamic=True)
+        self.step_loss = torch.compile(step_loss, dynamic=True)
 
     def forward(self, aux: torch.Tensor, emb: torch.Tensor, target_p: torch.Tensor, target_argmax: torch.Tensor,
                 target_row: torch.Tensor, loss_mask: torch.Tensor) -> dict:
@@ -184,7 +197,7 @@ class TTTObjective(nn.Module):
             logits = self.head.logits(x.flatten(0, 1)[sel])
             tgt_am = target_argmax[rows]
             weight = self.head.t2d[tgt_am].to(logits.dtype)
-            loss = step_loss(logits, target_p[rows], weight, positions)
+            loss = self.step_loss(logits, target_p[rows], weight, positions)
             total = total + self.weights[s] * loss
             losses.append(loss.detach())
             with torch.no_grad():
