@@ -33,15 +33,16 @@ def train_losses(out: Path) -> list[list[float]]:
 @pytest.mark.parametrize("stage,dtype,balance", [(1, "fp32", "steps"), (2, "fp32", "steps"), (3, "fp32", "pools"),
                                                  (2, "bf16", "steps")])
 def test_zero_stages_train_on_two_workers(stage, dtype, balance, tmp_path, ray_cluster, pipeline_run, tiny_target):
-    """bf16 also runs the loop's check that the head's RoPE inv_freq stayed fp32 under DeepSpeed; ZeRO-3 runs
-    the other data.balance (rows traded per pool, each rank planning its own); the joint plans are weighted
-    by the ranks' measured speeds, recorded per pool."""
+    """bf16 also runs the loop's check that the head's RoPE inv_freq stayed fp32 under DeepSpeed; ZeRO-1 runs
+    the compiled objective (model.compile); ZeRO-3 runs the other data.balance (rows traded per pool, each
+    rank planning its own); the joint plans are weighted by the ranks' measured speeds, recorded per pool."""
     from trainer.driver import run_training
 
     report = run_training(train_cfg(tmp_path, pipeline_run, tiny_target, max_steps=10, epochs=5,
                                     **{"deepspeed.zero_stage": stage, "deepspeed.dtype": dtype, "optim.lr": 5e-3,
                                        "data.balance": balance, "data.bucket_pool": 8,
-                                       "data.rank_speeds": "measured" if balance == "steps" else "equal"}))
+                                       "data.rank_speeds": "measured" if balance == "steps" else "equal",
+                                       "model.compile": stage == 1}))  # the compiled step inside Ray + DeepSpeed
     assert len(train_losses(tmp_path / "out")) == 10
     evals = [h for h in json.loads((tmp_path / "out/history.json").read_text()) if "val_loss" in h]
     assert [e["step"] for e in evals] == [0, 3, 6, 9, 10]
