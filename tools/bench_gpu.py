@@ -270,6 +270,50 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
             **({"compile_s": round(t_compile, 1)} if compiled else {})}
 
 
+def train_shapes(run: Run, model, shape: dict, ttt: int) -> dict:
+    """The trainer's batches change shape from step to step (length buckets): eager against compiled
+    (`model.compile`) over [rows, seq] shapes holding the same tokens. Per mode: the first pass over the
+    shapes in seconds (a compiled objective compiles, then recompiles with dynamic dims), then each shape's
+    median step in ms. The batches are random (the target side is not what is measured)."""
+    cfg, dev, vd = model.config, run.device, shape["draft_vocab"]
+    hc = head_config_from_target(cfg, vd)
+    tokens, r0 = shape["rows"] * shape["seq"], shape["rows"]
+    mix = [(r, tokens // r) for r in (r0, 2 * r0, 4 * r0, max(1, r0 // 2))]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    batches = []
+    for rows, seq in mix:
+        mask = torch.zeros(rows, seq, dtype=torch.long, device=dev)
+        mask[:, seq // 4:] = 1
+        need, row = target_rows(mask)
+        p = torch.softmax(torch.randn(int(need.sum()), vd, device=dev, generator=gen), -1)
+        am = torch.randint(0, vd, (int(need.sum()),), device=dev, generator=gen)
+        aux = torch.randn(rows, seq, 3 * cfg.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
+        emb = torch.randn(rows, seq, cfg.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
+        batches.append((aux, emb, p, am, row, mask))
+    res = {"shapes": [f"{r}x{t}" for r, t in mix]}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        head = Eagle3Head(hc).to(dev, torch.bfloat16)
+        head.set_vocab(torch.zeros(vd, dtype=torch.long), torch.arange(cfg.vocab_size) < vd)
+        objective = TTTObjective(head, ttt, 0.8, "auto", compiled)
+        opt = torch.optim.AdamW(head.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {}))
+
+        def step(batch):
+            objective(*batch)["loss"].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        for batch in batches:
+            step(batch)
+        run.sync()
+        first = time.perf_counter() - t0
+        res["compiled" if compiled else "eager"] = {
+            "first_pass_s": round(first, 1),
+            "step_ms": {f"{r}x{t}": run.ms(lambda b=b: step(b), 3) for (r, t), b in zip(mix, batches)}}
+    return res
+
+
 def target_costs(run: Run, model, aux_ids: list[int], prefix: int, lean: bool, exact: bool = False) -> dict:
     """Our TargetRunner: the 1-token step and n-node verifies after `prefix` tokens, timed as
     measure_round_costs times them. exact: the lean forward's exact verify (the decoder's default)."""
@@ -368,6 +412,7 @@ def main(argv=None) -> dict:
     run.result["model_speedup"] = model_speedup(run.result, args.levels)
     if run.device.type == "cuda":  # compiles: minutes on a CPU
         run.section("train_compiled", train_step, model, shape, args.ttt, peak, "auto", True)
+        run.section("train_shapes", train_shapes, model, shape, args.ttt)
         run.section("hf_generate_static_compiled", hf_generate, model, shape["prefix"], args.new_tokens, True)
     print(json.dumps(run.result))
     return run.result
