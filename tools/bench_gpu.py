@@ -1,14 +1,18 @@
 """Component benchmark on a GPU at Llama-3.1-8B shapes with random bf16 weights (README "GPU").
 
-    python tools/bench_gpu.py [--shape llama8b|tiny] [--out FILE] [--budget-s 480]
+    python tools/bench_gpu.py [--shape llama8b|tiny] [--out FILE] [--budget-s 480] [--sections a,b] [--profile]
 
-In one run, on one device: the hardware's own limits (a large bf16 GEMM, a device-to-device copy); capture
-(pipeline/hidden.py) tokens/s against a bare base-model forward and a forward with logits; one TTT training
-step of an EAGLE-3 head (trainer/ttt.py's objective, the target lm_head rows it reads, AdamW) in tokens/s and
-MFU against the measured GEMM peak; decode components (our TargetRunner's 1-token step and 16/32/64-node
-tree verifies after a 1024-token prefix, on the HF forward and on the lean forward; the draft's level and
-ingest; HF generate) and the cost model's speedup tau x T_step / (T_verify + levels x T_level + T_ingest) at
-tau 3-6. The 1-token step is also set against its floor: the weights' bytes over the measured copy rate.
+In one run, on one device:
+- the hardware's own limits (a large bf16 GEMM, a device-to-device copy);
+- capture (pipeline/hidden.py) tokens/s against a bare base-model forward and a forward with logits;
+- the TTT attention on the flash kernel and on the blocked reference, each against fp32;
+- one TTT training step of an EAGLE-3 head (trainer/ttt.py's objective, the target lm_head rows it reads,
+  AdamW) in tokens/s and MFU against the measured GEMM peak: on either attention kernel, and on a GPU also
+  compiled (`model.compile`) and over batch shapes that change;
+- decode components: our TargetRunner's 1-token step and 16/32/64-node tree verifies after a 1024-token
+  prefix, on the HF forward and on the lean forward; the draft's level and ingest; HF generate;
+- the cost model's speedup tau x T_step / (T_verify + levels x T_level + T_ingest) at tau 3-6, and the
+  1-token step against its floor (the weights' bytes over the measured copy rate).
 
 Random weights say nothing about acceptance: tau is an input here, not a measurement. The lent GPU image has
 torch and transformers but not Ray, DeepSpeed or pydantic, so this imports none of them. `--shape tiny`
@@ -99,7 +103,8 @@ def top_ops(run: Run, fn, calls: int = 2, top: int = 20) -> dict:
               and (not cuda or str(getattr(e, "device_type", "")).endswith("CUDA"))]
     events.sort(key=lambda e: -getattr(e, attr))
     return {"total_ms": round(sum(getattr(e, attr) for e in events) / 1e3 / calls, 2),
-            "ops": [[e.key[:80], round(getattr(e, attr) / 1e3 / calls, 2), e.count // calls] for e in events[:top]]}
+            "ops": [[e.key[:80], round(getattr(e, attr) / 1e3 / calls, 2), e.count // calls]
+                    for e in events[:top]]}
 
 
 def hardware(run: Run, n: int) -> dict:
@@ -164,9 +169,11 @@ def attention_check(run: Run, model, shape: dict, ttt: int) -> dict:
     forward + backward time and peak memory on the flash kernel and on the blocked reference, and each one's
     output and gradients against the blocked reference in fp32 (max abs error over the reference's max)."""
     cfg, dev = model.config, run.device
-    h, d, (b, t) = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, (shape["rows"], shape["seq"])
+    h, b, t = cfg.num_attention_heads, shape["rows"], shape["seq"]
+    d = cfg.hidden_size // h
     gen = torch.Generator(device=dev).manual_seed(0)
-    leaves = [torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2 * ttt + 1)]
+    leaves = [torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, generator=gen)
+              for _ in range(2 * ttt + 1)]
     w = torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, generator=gen)
 
     def run_kind(kind: str, dtype):
@@ -175,7 +182,8 @@ def attention_check(run: Run, model, shape: dict, ttt: int) -> dict:
         if kind == "flash":
             out = ttt_attention_flash(q, keys, vals)
         else:
-            out = ttt_attention(q, keys, vals, torch.full((t, t), float("-inf"), device=dev, dtype=dtype).triu(1))
+            causal = torch.full((t, t), float("-inf"), device=dev, dtype=dtype).triu(1)
+            out = ttt_attention(q, keys, vals, causal)
         return [out.detach(), *torch.autograd.grad((out * w.to(dtype)).sum(), xs)]
 
     ref = run_kind("blocked", torch.float32)
@@ -189,7 +197,8 @@ def attention_check(run: Run, model, shape: dict, ttt: int) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         ms = run.ms(lambda: run_kind(kind, torch.bfloat16), max(3, run.reps // 2))
-        res[kind] = {"fwd_bwd_ms": ms, "out_rel_err": round(errs[0], 6), "grad_rel_err_max": round(max(errs[1:]), 6),
+        res[kind] = {"fwd_bwd_ms": ms, "out_rel_err": round(errs[0], 6),
+                     "grad_rel_err_max": round(max(errs[1:]), 6),
                      "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
                      if dev.type == "cuda" else None}
     return res
@@ -252,13 +261,15 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
         if not compiled:  # a compiled objective would compile again for no_grad
             emb, p, am, row = target_side()
             p32, am32 = target_distribution(b, head.t2d)
-            loss_pair = [round(float(objective(aux, emb, *pa, row, mask)["loss"]), 6) for pa in ((p, am), (p32, am32))]
+            loss_pair = [round(float(objective(aux, emb, *pa, row, mask)["loss"]), 6)
+                         for pa in ((p, am), (p32, am32))]
             del p32
         del a, b
     flops = step_flops(hc, ttt).batch(rows, seq, int(mask.sum()))
     target_flops = int(mask.sum()) * step_flops(hc, ttt).per_target_row
     tokens = rows * seq
-    return {"attention": "flash" if flash else "blocked", "ttt": ttt, "rows": rows, "seq": seq, "draft_vocab": vd, "step_ms": t_step,
+    return {"attention": "flash" if flash else "blocked", "ttt": ttt, "rows": rows, "seq": seq, "draft_vocab": vd,
+            "step_ms": t_step,
             "tokens_per_s": round(tokens / t_step * 1e3), "target_lm_head_ms": t_target,
             "target_lm_head_fp32_ms": t_lm32, "target_logits_rel_err_vs_fp32": logits_err,
             "loss_vs_fp32_lm_head": loss_pair,
