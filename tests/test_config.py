@@ -124,3 +124,21 @@ def test_serve_dtype_belongs_to_the_eagleray_backend(tmp_path):
         load_config(ServeConfig, yaml, ["backend=vllm", "speculative.sizing=cost"])
     with pytest.raises(ConfigError, match=r"speculative\.sizing"):
         load_config(ServeConfig, yaml, ["speculative.sizing=auto"])
+
+
+def test_gpu_example_configs_validate_with_their_paths_supplied(tmp_path):
+    """configs/*/qwen3_8b_gpu.yaml name cluster paths that do not exist here. With those supplied as
+    overrides every other key validates, so a renamed or mistyped key fails here, not on a user's cluster."""
+    from pipeline.config import PipelineConfig
+    from trainer.config import TrainConfig
+
+    folder, corpus = tmp_path / "folder", tmp_path / "corpus.jsonl"
+    folder.mkdir()
+    corpus.write_text("")
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    pipe = load_config(PipelineConfig, configs / "pipeline/qwen3_8b_gpu.yaml",
+                       [f"target={folder}"] + [f"ingest.sources.{i}.path={corpus}" for i in range(3)])
+    assert pipe.capture.num_gpus_per_actor == 1 and pipe.capture.dtype == "bf16"
+    train = load_config(TrainConfig, configs / "trainer/qwen3_8b_gpu.yaml", [f"target={folder}",
+                                                                              f"data.shards={folder}"])
+    assert train.scaling.use_gpu and train.model.compile and train.deepspeed.dtype == "bf16"
