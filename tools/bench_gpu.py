@@ -204,6 +204,26 @@ def attention_check(run: Run, model, shape: dict, ttt: int) -> dict:
     return res
 
 
+def seeded_head(cfg, vd: int, dev: torch.device, ttt: int, attention: str = "auto", compiled: bool = False):
+    """The same bf16 head in every train section (so their losses compare), its objective, and a function
+    that takes one AdamW step on a batch (the objective's arguments) and returns its loss."""
+    hc = head_config_from_target(cfg, vd)
+    torch.manual_seed(0)
+    head = Eagle3Head(hc).to(dev, torch.bfloat16)
+    head.set_vocab(torch.zeros(vd, dtype=torch.long), torch.arange(cfg.vocab_size) < vd)
+    objective = TTTObjective(head, ttt, 0.8, attention, compiled)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {}))
+
+    def train_on(*batch) -> float:
+        loss = objective(*batch)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return hc, head, objective, train_on
+
+
 def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, attention: str = "auto",
                compiled: bool = False) -> dict:
     """One TTT step as trainer/loop.py runs it (target lm_head on the rows read, objective, backward, AdamW),
@@ -211,18 +231,12 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
     weights; its optimizer step is not what is measured here). attention: the objective's kernel choice.
     compiled: the objective's pieces through torch.compile (`model.compile`)."""
     cfg, dev, vd = model.config, run.device, shape["draft_vocab"]
-    hc = head_config_from_target(cfg, vd)
-    torch.manual_seed(0)  # the same head in every train section, so their losses compare
-    head = Eagle3Head(hc).to(dev, torch.bfloat16)
-    head.set_vocab(torch.zeros(vd, dtype=torch.long), torch.arange(cfg.vocab_size) < vd)
+    hc, head, objective, train_on = seeded_head(cfg, vd, dev, ttt, attention, compiled)
+    flash = attention == "flash" or (attention == "auto" and flash_available(head.fc.weight, hc.head_dim))
     whole = TargetParts(model.model.embed_tokens.weight, model.lm_head.weight, None, LogitRule.of(cfg), cfg)
     parts = whole.to(dev, torch.bfloat16, bf16_hidden=True)  # as trainer/loop.py on a GPU, bf16 shards
-    parts32 = whole.to(dev, torch.bfloat16)  # the fp32 lm_head (CPU, or shards stored above bf16)
-    objective = TTTObjective(head, ttt, 0.8, attention, compiled)
-    flash = attention == "flash" or (attention == "auto" and flash_available(head.fc.weight, hc.head_dim))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {}))
     rows, seq = shape["rows"], shape["seq"]
     gen = torch.Generator(device=dev).manual_seed(0)
     ids = torch.randint(3, cfg.vocab_size, (rows, seq), device=dev, generator=gen)
@@ -240,11 +254,7 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
 
     def step():
         emb, p, am, row = target_side()
-        out = objective(aux, emb, p, am, row, mask)
-        out["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(out["loss"].detach()))
+        losses.append(train_on(aux, emb, p, am, row, mask))
 
     t_compile = time.perf_counter()
     step()  # untimed in every section (a compiled one compiles here), so their loss lists compare
@@ -252,33 +262,36 @@ def train_step(run: Run, model, shape: dict, ttt: int, peak_tflops: float, atten
     t_step = run.ms(step)
     profiled = top_ops(run, step) if run.profile else None
     t_target = run.ms(target_side)
-    need = target_rows(mask)[0]
-    with torch.no_grad():
-        t_lm32 = run.ms(lambda: parts32.logits(last[need]))
-        a, b = parts.logits(last[need]), parts32.logits(last[need])
-        logits_err = float((a - b).abs().max() / b.abs().max())
-        loss_pair = None
-        if not compiled:  # a compiled objective would compile again for no_grad
-            emb, p, am, row = target_side()
-            p32, am32 = target_distribution(b, head.t2d)
-            loss_pair = [round(float(objective(aux, emb, *pa, row, mask)["loss"]), 6)
-                         for pa in ((p, am), (p32, am32))]
-            del p32
-        del a, b
+    emb, _, _, row = target_side()
+    # a compiled objective would compile again for no_grad: its loss pair is left out
+    loss_of = None if compiled else (lambda p, am: float(objective(aux, emb, p, am, row, mask)["loss"]))
+    checks = fp32_lm_head_check(run, whole, parts, last[target_rows(mask)[0]], head.t2d, loss_of)
     flops = step_flops(hc, ttt).batch(rows, seq, int(mask.sum()))
     target_flops = int(mask.sum()) * step_flops(hc, ttt).per_target_row
-    tokens = rows * seq
     return {"attention": "flash" if flash else "blocked", "ttt": ttt, "rows": rows, "seq": seq, "draft_vocab": vd,
-            "step_ms": t_step,
-            "tokens_per_s": round(tokens / t_step * 1e3), "target_lm_head_ms": t_target,
-            "target_lm_head_fp32_ms": t_lm32, "target_logits_rel_err_vs_fp32": logits_err,
-            "loss_vs_fp32_lm_head": loss_pair,
-            "tflops": round(flops / t_step / 1e9, 1), "mfu": round(flops / t_step / 1e9 / peak_tflops, 3),
+            "step_ms": t_step, "tokens_per_s": round(rows * seq / t_step * 1e3), "target_lm_head_ms": t_target,
+            **checks, "tflops": round(flops / t_step / 1e9, 1), "mfu": round(flops / t_step / 1e9 / peak_tflops, 3),
             "head_only_mfu": round((flops - target_flops) / max(t_step - t_target, 1e-6) / 1e9 / peak_tflops, 3),
             "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 1) if dev.type == "cuda" else None,
             "first_last_loss": [round(losses[0], 4), round(losses[-1], 4)], "losses": [round(x, 5) for x in losses],
             **({"profile": profiled} if profiled else {}),
             **({"compile_s": round(t_compile, 1)} if compiled else {})}
+
+
+@torch.no_grad()
+def fp32_lm_head_check(run: Run, whole: TargetParts, parts: TargetParts, last: torch.Tensor, t2d: torch.Tensor,
+                       loss_of) -> dict:
+    """The trainer's bf16 target lm_head (`parts`) against the fp32 one it replaced on a GPU: the fp32 one's
+    time, the logits' largest difference (relative to their largest value) and, where `loss_of(p, argmax)`
+    is given, the objective's loss on each one's target table."""
+    parts32 = whole.to(run.device, torch.bfloat16)  # the fp32 lm_head (CPU, or shards stored above bf16)
+    t_lm32 = run.ms(lambda: parts32.logits(last))
+    a, b = parts.logits(last), parts32.logits(last)
+    pair = None
+    if loss_of is not None:
+        pair = [round(loss_of(*target_distribution(x, t2d)), 6) for x in (a, b)]
+    err = float((a - b).abs().max() / b.abs().max())
+    return {"target_lm_head_fp32_ms": t_lm32, "target_logits_rel_err_vs_fp32": err, "loss_vs_fp32_lm_head": pair}
 
 
 def train_shapes(run: Run, model, shape: dict, ttt: int) -> dict:
@@ -287,7 +300,6 @@ def train_shapes(run: Run, model, shape: dict, ttt: int) -> dict:
     shapes in seconds (a compiled objective compiles, then recompiles with dynamic dims), then each shape's
     median step in ms. The batches are random (the target side is not what is measured)."""
     cfg, dev, vd = model.config, run.device, shape["draft_vocab"]
-    hc = head_config_from_target(cfg, vd)
     tokens, r0 = shape["rows"] * shape["seq"], shape["rows"]
     mix = [(r, tokens // r) for r in (r0, 2 * r0, 4 * r0, max(1, r0 // 2))]
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -303,25 +315,15 @@ def train_shapes(run: Run, model, shape: dict, ttt: int) -> dict:
         batches.append((aux, emb, p, am, row, mask))
     res = {"shapes": [f"{r}x{t}" for r, t in mix]}
     for compiled in (False, True):
-        torch.manual_seed(0)
-        head = Eagle3Head(hc).to(dev, torch.bfloat16)
-        head.set_vocab(torch.zeros(vd, dtype=torch.long), torch.arange(cfg.vocab_size) < vd)
-        objective = TTTObjective(head, ttt, 0.8, "auto", compiled)
-        opt = torch.optim.AdamW(head.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {}))
-
-        def step(batch):
-            objective(*batch)["loss"].backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        train_on = seeded_head(cfg, vd, dev, ttt, "auto", compiled)[3]
         t0 = time.perf_counter()
         for batch in batches:
-            step(batch)
+            train_on(*batch)
         run.sync()
         first = time.perf_counter() - t0
         res["compiled" if compiled else "eager"] = {
             "first_pass_s": round(first, 1),
-            "step_ms": {f"{r}x{t}": run.ms(lambda b=b: step(b), 3) for (r, t), b in zip(mix, batches)}}
+            "step_ms": {f"{r}x{t}": run.ms(lambda b=b: train_on(*b), 3) for (r, t), b in zip(mix, batches)}}
     return res
 
 
