@@ -43,8 +43,8 @@ def flash_available(x: torch.Tensor, head_dim: int | None = None) -> bool:
 
 
 def causal_forward(q, k, v, scale: float):
-    """The device's flash kernel, causal: (out [B, h, T, d], lse [B, h, >= T] fp32, what its backward
-    needs besides q, k, v, out and lse)."""
+    """The device's flash kernel, causal: (out [B, h, T, d], lse [B, h, T] fp32 (unpadded on both devices,
+    torch 2.11 CUDA and 2.13 CPU), what its backward needs besides q, k, v, out and lse)."""
     if q.device.type == "cuda":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _CUDA_FWD(q, k, v, 0.0, True, False, scale=scale)
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
@@ -70,18 +70,15 @@ class _TTTFlash(torch.autograd.Function):
         out, lse, ctx.state = causal_forward(q, k0, v0, scale)
         p = None
         if s:
-            t = q.shape[2]
             wide = torch.promote_types(q.dtype, torch.float32)  # merge in >= fp32 (lse is fp32 for bf16)
             d = torch.stack([(q * k).sum(-1, dtype=wide) for k in diag[:s]], dim=-1) * scale  # [B, h, T, s]
-            lse_causal = lse[..., :t].to(wide)  # a kernel may pad lse's rows; the padding is never read
+            lse_causal = lse.to(wide)
             total = torch.logaddexp(lse_causal, torch.logsumexp(d, dim=-1))
             p = torch.exp(d - total.unsqueeze(-1))
             merged = torch.exp(lse_causal - total).unsqueeze(-1) * out
             for j, v in enumerate(diag[s:]):
                 merged = merged + p[..., j:j + 1] * v
-            out = merged.to(q.dtype)
-            lse = lse.clone()
-            lse[..., :t] = total
+            out, lse = merged.to(q.dtype), total.to(lse.dtype)
         ctx.save_for_backward(q, k0, v0, out, lse, p, *diag)
         ctx.s, ctx.scale = s, scale
         return out
