@@ -37,55 +37,69 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray head for the whole session (2 CPUs, 127.0.0.1, job server on), joined by this
-    process; tests that run pipelines in subprocesses or through `ray job submit` join the same one."""
-    import ray
-
+def start_head(env: dict) -> dict:
+    """`ray start --head` on free ports (2 CPUs, 127.0.0.1, job server on), in a temp dir of its own that
+    marks its processes: `stop_head` then stops this cluster only (`ray stop` would kill every Ray on the
+    machine, a CI run beside us included)."""
     import tempfile
 
     bin_dir = Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    port, dash, agent = _free_port(), _free_port(), _free_port()
-    # A temp dir of our own marks this cluster's processes, so teardown stops this one only
-    # (`ray stop` would kill every Ray on the machine, a CI run beside us included).
+    port, dash, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
     temp_dir = tempfile.mkdtemp(prefix="er-ray-", dir="/tmp")
     subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
                     "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                     "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-                    # the job agent's HTTP port is fixed (52365) by default: another Ray on this machine
-                    # (a training run beside the tests) holds it, and then `ray job submit` finds no agent
-                    f"--dashboard-agent-listen-port={agent}"],
+                    # the job agent's HTTP port (52365) and the client server's (10001) are fixed by default:
+                    # another Ray on this machine (a training run beside the tests) holds them, and then
+                    # `ray job submit` finds no agent
+                    f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}"],
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     gcs = f"127.0.0.1:{port}"
-    ray.init(address=gcs, log_to_driver=False)
-    yield {"address": gcs, "dashboard": f"http://127.0.0.1:{dash}", "env": env}
+    # The client server names no temp dir, only the GCS address, and `ray start` leaves it to init.
+    return {"address": gcs, "dashboard": f"http://127.0.0.1:{dash}", "markers": (temp_dir, f"--address={gcs}")}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray head for the whole session, joined by this process; tests that run pipelines in
+    subprocesses or through `ray job submit` join the same one."""
+    import ray
+
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    head = start_head(env)
+    ray.init(address=head["address"], log_to_driver=False)
+    yield {"address": head["address"], "dashboard": head["dashboard"], "env": env}
     ray.shutdown()
-    _stop_cluster(temp_dir)
+    stop_head(head["markers"])
 
 
-def _stop_cluster(temp_dir: str) -> None:
+def stop_head(markers: tuple[str, ...]) -> list[str]:
+    """Stop every process whose command line names a marker, and their children; returns their command
+    lines."""
     import psutil
 
     procs = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if any(temp_dir in a for a in (p.info["cmdline"] or [])):
+            if any(m in a for a in (p.info["cmdline"] or []) for m in markers):
                 procs.append(p)
                 # Agents and workers rename themselves ("ray::DashboardAgent"): take the whole tree.
                 procs += p.children(recursive=True)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     procs = list({p.pid: p for p in procs}.values())
+    names = []
     for p in procs:
         try:
+            names.append(" ".join(p.cmdline()))
             p.terminate()
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(procs, timeout=3)  # some ignore SIGTERM for 10 s+
     for p in alive:
         p.kill()
+    return names
 
 
 @pytest.fixture(scope="session")

@@ -62,3 +62,25 @@ def test_cpu_workers_keep_freed_memory(ray_cluster):
     assert sum(kept["faults"][-4:]) < pages // 20, kept
     assert min(plain["faults"][-4:]) >= pages, plain
     assert cpu_worker_env(False) == {}
+
+
+def test_stop_head_leaves_no_process_of_its_cluster():
+    """The session cluster's teardown stops its own processes and nothing else: the Ray client server
+    too, which names only the GCS address and which `ray start` leaves to init (one was left running
+    after every test session before)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import psutil
+    from conftest import start_head, stop_head
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    head = start_head(env)
+    port = head["address"].rsplit(":", 1)[1]
+    stopped = stop_head(head["markers"])
+    assert any("ray.util.client.server" in c for c in stopped), stopped
+    assert any("gcs_server" in c for c in stopped) and any("raylet" in c for c in stopped), stopped
+    left = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])
+            if any(m in a or port in a for a in (p.info["cmdline"] or []) for m in head["markers"])]
+    assert left == [], left
