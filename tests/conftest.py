@@ -37,13 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_head(env: dict) -> dict:
+def start_head() -> dict:
     """`ray start --head` on free ports (2 CPUs, 127.0.0.1, job server on), in a temp dir of its own that
     marks its processes: `stop_head` then stops this cluster only (`ray stop` would kill every Ray on the
     machine, a CI run beside us included)."""
     import tempfile
 
     bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     port, dash, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
     temp_dir = tempfile.mkdtemp(prefix="er-ray-", dir="/tmp")
     subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
@@ -56,7 +57,8 @@ def start_head(env: dict) -> dict:
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     gcs = f"127.0.0.1:{port}"
     # The client server names no temp dir, only the GCS address, and `ray start` leaves it to init.
-    return {"address": gcs, "dashboard": f"http://127.0.0.1:{dash}", "markers": (temp_dir, f"--address={gcs}")}
+    return {"address": gcs, "dashboard": f"http://127.0.0.1:{dash}", "env": env,
+            "markers": (temp_dir, f"--address={gcs}")}
 
 
 @pytest.fixture(scope="session")
@@ -65,11 +67,9 @@ def ray_cluster():
     subprocesses or through `ray job submit` join the same one."""
     import ray
 
-    bin_dir = Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    head = start_head(env)
+    head = start_head()
     ray.init(address=head["address"], log_to_driver=False)
-    yield {"address": head["address"], "dashboard": head["dashboard"], "env": env}
+    yield {k: head[k] for k in ("address", "dashboard", "env")}
     ray.shutdown()
     stop_head(head["markers"])
 
