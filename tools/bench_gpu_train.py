@@ -138,8 +138,9 @@ def train_step(run, model, shape: dict, ttt: int, peak_tflops: float, attention:
     # a compiled objective would compile again for no_grad: its loss pair is left out
     loss_of = None if compiled else (lambda p, am: float(objective(aux, emb, p, am, row, mask)["loss"]))
     checks = fp32_lm_head_check(run, whole, parts, last[target_rows(mask)[0]], head.t2d, loss_of)
-    flops = step_flops(hc, ttt).batch(rows, seq, int(mask.sum()))
-    target_flops = int(mask.sum()) * step_flops(hc, ttt).per_target_row
+    cost = step_flops(hc, ttt)
+    flops = cost.batch(rows, seq, int(mask.sum()))
+    target_flops = int(mask.sum()) * cost.per_target_row
     return {"attention": "flash" if flash else "blocked", "ttt": ttt, "rows": rows, "seq": seq, "draft_vocab": vd,
             "step_ms": t_step, "tokens_per_s": round(rows * seq / t_step * 1e3), "target_lm_head_ms": t_target,
             **checks, "tflops": round(flops / t_step / 1e9, 1), "mfu": round(flops / t_step / 1e9 / peak_tflops, 3),
