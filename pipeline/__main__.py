@@ -12,7 +12,7 @@ import time
 
 from pipeline.cluster import ensure_ray, quiet_ray_data
 from pipeline.yaml_config import config_arguments, errors_exit, load_or_exit
-from pipeline.config import PipelineConfig
+from pipeline.config import Ingest, PipelineConfig
 
 
 def log(stage: str, info: dict, t0: float) -> None:
@@ -23,7 +23,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = config_arguments("python -m pipeline", __doc__, "capture.dtype=fp16")
     ap.add_argument("--plan", action="store_true", help="print the storage estimate and exit")
     ap.add_argument("--inspect", type=int, default=0, metavar="N", help="print N masked samples after tokenize")
+    ap.add_argument("--check-sources", action="store_true",
+                    help="only check that every ingest source exists (one line naming the first missing file), then exit")
     args = ap.parse_args(argv)
+    if args.check_sources:  # before a long run (make real): stop at once on a corpus the clone lacks
+        ingest = load_or_exit(Ingest, args.config, args.overrides, section="ingest")
+        print(f"{args.config}: {len(ingest.sources)} ingest source(s) found")
+        return {"sources": len(ingest.sources)}
     cfg = load_or_exit(PipelineConfig, args.config, args.overrides)
     with errors_exit("pipeline", catch=(ValueError,)):  # bad settings, empty data: one line, exit 1
         return run(cfg, plan_only=args.plan, inspect_n=args.inspect)

@@ -18,7 +18,7 @@ import ray
 import torch
 
 from pipeline.buckets import length_buckets
-from pipeline.cluster import check_actor_cpus
+from pipeline.cluster import ACTOR_POOL_ARGS, check_actor_cpus
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
 from pipeline.progress import progress_bar
 from pipeline.hidden import capture_hidden, check_logit_rule, to_host
@@ -198,4 +198,4 @@ def capture_dataset(cfg: Capture, target: Path, tokens_path: Path, ranges, signa
         compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
         num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
         fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
-                                   out_dir=str(out_dir) if out_dir else None, signature=signature, mode=mode))
+                                   out_dir=str(out_dir) if out_dir else None, signature=signature, mode=mode), **ACTOR_POOL_ARGS)

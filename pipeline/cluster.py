@@ -12,6 +12,20 @@ for _k, _v in RAY_ENV.items():
     os.environ.setdefault(_k, _v)
 
 
+def _name_deepspeed_accelerator() -> None:
+    """DeepSpeed guesses its accelerator when first imported (transformers imports it whenever it is
+    installed) and logs a warning each time it falls back to the CPU; with no CUDA device we name the CPU
+    ourselves. A DS_ACCELERATOR the user set stays."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+_name_deepspeed_accelerator()
+
+
 # glibc hands a freed block of 32 MB or more straight back to the kernel (munmap) and trims its heaps, so a
 # CPU step that frees and reallocates its activations page-faults them in again, zeroed by the kernel, at
 # every step: 6-7% of a SmolLM2-shaped training step was system time (docs/ARCHITECTURE.md §9). One heap,
@@ -66,8 +80,17 @@ def quiet_ray_data() -> None:
 
     ctx = ray.data.DataContext.get_current()  # imports ray.data, which sets up its loggers: quiet them after
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # Its one warning here only says that the bars are off, which is this function's choice.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
+
+
+# Ray Data's actor pools restart a dead actor by default; Ray's core then logs an error line at every actor's
+# start because Ray Data passes the actor its own arguments through the object store (ray-project/ray#57733,
+# a false alarm: the driver holds those references). Our actors' work is resumable at the stage level
+# instead (parts and shards are written under deterministic names; a rerun does only what is missing).
+ACTOR_POOL_ARGS = {"max_restarts": 0}
 
 
 def check_actor_cpus(key: str, num_actors: int, cpus_per_actor: float) -> None:

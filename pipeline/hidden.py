@@ -56,7 +56,7 @@ def capture_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A GPU tensor copied to host memory in one transfer through a pinned buffer (pageable copies of
-    each row's slice ran at ~1.6 GB/s on an H200 host, README "GPU"); a CPU tensor is returned as is."""
+    each row's slice ran at ~1.6 GB/s on an H200 host, docs/RESULTS.md "GPU"); a CPU tensor is returned as is."""
     if t.device.type != "cuda":
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

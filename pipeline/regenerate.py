@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from pipeline.cluster import check_actor_cpus
+from pipeline.cluster import ACTOR_POOL_ARGS, check_actor_cpus
 from pipeline.progress import progress_bar
 from pipeline.config import ChatTemplate, Regenerate
 from pipeline.target import TargetSpec, weights_id
@@ -270,7 +270,8 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
                 ENGINES[cfg.engine], batch_size=1, batch_format="numpy",
                 compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
                 num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
-                fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts}).materialize()
+                fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts},
+                **ACTOR_POOL_ARGS).materialize()
     sources = {}
     with open(records, encoding="utf-8") as f:
         for line in f:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+import pipeline.cluster  # noqa: F401  (environment defaults, DeepSpeed's accelerator among them, before transformers)
+
 log = logging.getLogger(__name__)
 
 # Storage / compute dtype names used in every YAML.

@@ -100,8 +100,10 @@ def _describe(model: type[BaseModel], err: dict) -> tuple[str, str]:
     return key, msg
 
 
-def load_config(model: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """Load `path` (YAML) into `model`, apply `a.b=value` overrides, validate; raise ConfigError."""
+def load_config(model: type[T], path: str | Path | None = None, overrides: Sequence[str] = (),
+                section: str | None = None) -> T:
+    """Load `path` (YAML) into `model`, apply `a.b=value` overrides, validate; raise ConfigError. With
+    `section`, only that top-level key is validated against `model` (a check before any work)."""
     tree: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -123,11 +125,14 @@ def load_config(model: type[T], path: str | Path | None = None, overrides: Seque
         parts, value = parse_override(item)
         _set_dotted(tree, parts, value, item)
         overridden[".".join(parts)] = item
+    if section is not None:
+        tree = tree.get(section) or {}
     try:
         return model.model_validate(tree)
     except ValidationError as e:
         err = e.errors()[0]
         key, msg = _describe(model, err)
+        key = f"{section}.{key}" if section else key
         origin = next((f"override {v!r}" for k, v in overridden.items()
                        if key == k or key.startswith(k + ".")), source)
         more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
@@ -149,10 +154,10 @@ def split_cli(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
     return path, overrides, flags
 
 
-def load_or_exit(model: type[T], path: str | Path | None, overrides: Sequence[str]) -> T:
+def load_or_exit(model: type[T], path: str | Path | None, overrides: Sequence[str], section: str | None = None) -> T:
     """For entry points: the config, or one 'config error' line on stderr and exit status 2."""
     try:
-        return load_config(model, path, overrides)
+        return load_config(model, path, overrides, section)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray per session, the shared data folder, a tiny self-trained target."""
+"""Shared fixtures: one local Ray per session, the repo's data/ folder, a tiny self-trained target."""
 from __future__ import annotations
 
 import os
@@ -22,13 +22,9 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """../shared/data beside the repo (or $EAGLERAY_SHARED_DATA); a clear failure when it is missing."""
-    path = Path(os.environ.get("EAGLERAY_SHARED_DATA", REPO.parent / "shared" / "data"))
-    if not (path / "mt_bench" / "question.jsonl").is_file():
-        pytest.fail(f"shared data not found at {path}: clone the repo beside shared/ "
-                    f"or set EAGLERAY_SHARED_DATA to the folder holding mt_bench/, gsm8k/, ceval/, chat/")
-    return path
+def data_dir() -> Path:
+    """The benchmark and chat files the repo ships (data/README.md): a clone needs nothing beside it."""
+    return REPO / "data"
 
 
 def _free_port() -> int:

@@ -1,4 +1,5 @@
 """Typed configs: errors name the key and the source; overrides are typed."""
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,42 @@ def test_gpu_example_configs_validate_with_their_paths_supplied(tmp_path):
     train = load_config(TrainConfig, configs / "trainer/qwen3_8b_gpu.yaml", [f"target={folder}",
                                                                               f"data.shards={folder}"])
     assert train.scaling.use_gpu and train.model.compile and train.deepspeed.dtype == "bf16"
+
+
+def test_eagleray_command_lists_stages_and_runs_each_stage_module(repo_root):
+    """The console script pyproject installs: --help names the four stages without starting anything,
+    an unknown stage is one line and exit 2, and a stage gets the module's own command line (a config
+    error there is the module's one line, exit 2, as with `python -m`)."""
+    import subprocess
+
+    exe = Path(sys.executable).parent / "eagleray"
+    assert exe.is_file(), "pip install -e . installs the eagleray console script"
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, cwd=repo_root)
+    assert out.returncode == 0 and [ln.split()[0] for ln in out.stdout.splitlines() if ln.startswith("  ")] == [
+        "pipeline", "train", "eval", "serve"]
+    bad = subprocess.run([str(exe), "deploy", "x.yaml"], capture_output=True, text=True, cwd=repo_root)
+    assert bad.returncode == 2 and bad.stderr.strip() == ("eagleray: unknown stage 'deploy'; choose one of "
+                                                          "pipeline, train, eval, serve")
+    for stage, module in (("train", "trainer"), ("eval", "infer.eval")):
+        via_cli = subprocess.run([str(exe), stage, "configs/none.yaml"], capture_output=True, text=True, cwd=repo_root)
+        via_m = subprocess.run([sys.executable, "-m", module, "configs/none.yaml"], capture_output=True, text=True,
+                               cwd=repo_root)
+        assert via_cli.returncode == via_m.returncode == 2
+        assert via_cli.stderr == via_m.stderr == "config error: configs/none.yaml: config file not found\n"
+
+
+def test_check_sources_names_the_first_missing_corpus(tmp_path, capsys):
+    """`make real` first runs `python -m pipeline CONFIG --check-sources`: no Ray, no target needed, and a
+    corpus the clone lacks is one line naming the key and the file."""
+    from pipeline.__main__ import main
+
+    corpus = tmp_path / "a.jsonl"
+    corpus.write_text("{}\n")
+    cfg = write(tmp_path, f"target: {tmp_path / 'no_target_yet'}\ningest:\n  sources:\n    - {{path: {corpus}}}\n"
+                          f"    - {{path: {tmp_path / 'missing.json'}}}\n")
+    with pytest.raises(SystemExit) as e:
+        main([str(cfg), "--check-sources"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0].startswith(f"config error: {cfg}: ingest.sources.1.path: path does not exist: {tmp_path}/missing.json")
+    assert main([str(cfg), "--check-sources", f"ingest.sources.1.path={corpus}"]) == {"sources": 2}

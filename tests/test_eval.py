@@ -8,19 +8,19 @@ from infer.benchmarks import read_ceval, read_gsm8k, read_jsonl, read_mt_bench
 from infer.report import aggregate
 
 
-def test_readers_on_shared_files(shared_data):
-    mt = read_mt_bench(shared_data / "mt_bench/question.jsonl")
+def test_readers_on_shared_files(data_dir):
+    mt = read_mt_bench(data_dir / "mt_bench/question.jsonl")
     assert len(mt) == 80 and all(len(x["turns"]) == 2 for x in mt)
     assert mt[0]["id"] == "mt_bench-81" and mt[0]["turns"][0].startswith("Compose an engaging travel blog post")
-    gsm = read_gsm8k(shared_data / "gsm8k/test.jsonl")
+    gsm = read_gsm8k(data_dir / "gsm8k/test.jsonl")
     assert len(gsm) == 1319 and gsm[0]["turns"][0].startswith("Janet’s ducks lay 16 eggs per day")
-    ce = read_ceval(shared_data / "ceval")
+    ce = read_ceval(data_dir / "ceval")
     assert len(ce) == 371 and len({x["id"].rsplit("-", 1)[0] for x in ce}) == 13
     net = next(x for x in ce if x["id"] == "ceval-computer_network-0")
     prompt = net["turns"][0]
     assert prompt.startswith("以下是中国关于计算机网络考试的单项选择题，请选出其中的正确答案。\n\n使用位填充方法")
     assert "\nA. 1\nB. 2\nC. 3\nD. 4\n答案：" in prompt and prompt.endswith("答案：") and net["answer"] == "C"
-    shot = read_ceval(shared_data / "ceval", few_shot=2)[0]["turns"][0]
+    shot = read_ceval(data_dir / "ceval", few_shot=2)[0]["turns"][0]
     assert shot.count("答案：") == 3  # two solved dev examples, then the question
 
 
@@ -47,16 +47,16 @@ def test_pooled_tau_by_hand():
 
 
 @pytest.mark.slow
-def test_eval_report_end_to_end(tmp_path, ray_cluster, shared_data, tiny_target, tiny_head):
+def test_eval_report_end_to_end(tmp_path, ray_cluster, data_dir, tiny_target, tiny_head):
     from matplotlib.image import imread
 
     from infer.eval import main
 
     cfg = write_yaml(tmp_path / "eval.yaml", {
         "target": str(tiny_target), "head": str(tiny_head), "out_dir": str(tmp_path / "report"),
-        "benchmarks": [{"name": "mt_bench", "kind": "mt_bench", "path": str(shared_data / "mt_bench/question.jsonl"), "limit": 2},
-                       {"name": "gsm8k", "kind": "gsm8k", "path": str(shared_data / "gsm8k/test.jsonl"), "limit": 2},
-                       {"name": "ceval", "kind": "ceval", "path": str(shared_data / "ceval"), "limit": 2}],
+        "benchmarks": [{"name": "mt_bench", "kind": "mt_bench", "path": str(data_dir / "mt_bench/question.jsonl"), "limit": 2},
+                       {"name": "gsm8k", "kind": "gsm8k", "path": str(data_dir / "gsm8k/test.jsonl"), "limit": 2},
+                       {"name": "ceval", "kind": "ceval", "path": str(data_dir / "ceval"), "limit": 2}],
         "decode": {"top_k": 3, "depth": 3, "total_tokens": 8, "max_new_tokens": 24},
         "sweep": {"enabled": True, "top_k": [1, 3], "depth": [3], "total_tokens": [4, 8], "prompts": 1},
         "num_actors": 1, "cpus_per_actor": 0.5, "threads_per_actor": 1})

@@ -111,12 +111,12 @@ def test_mix_by_weight(tmp_path):
     assert mix_counts({"a.jsonl": 100, "b.jsonl": 7}, capped, None) == {"a.jsonl": 5, "b.jsonl": 7}
 
 
-def test_multi_source_mix_is_seeded(tmp_path, ray_cluster, tiny_target, shared_data):
+def test_multi_source_mix_is_seeded(tmp_path, ray_cluster, tiny_target, data_dir):
     from pipeline.ingest import run_ingest
     from pipeline.config import Ingest
 
-    cfg = Ingest(sources=[{"path": shared_data / "chat/fastchat_dummy_conversation.sharegpt.json", "weight": 1},
-                          {"path": shared_data / "chat/oasst1_zh_689.ultrachat.jsonl", "weight": 1}],
+    cfg = Ingest(sources=[{"path": data_dir / "chat/fastchat_dummy_conversation.sharegpt.json", "weight": 1},
+                          {"path": data_dir / "chat/oasst1_zh_689.ultrachat.jsonl", "weight": 1}],
                  total_records=200, seed=1)
     s1 = run_ingest(cfg, tmp_path / "a")
     s2 = run_ingest(cfg, tmp_path / "b")

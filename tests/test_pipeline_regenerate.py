@@ -38,19 +38,22 @@ def test_regenerate_greedy_matches_target_and_counts(tmp_path, ray_cluster, tiny
             assert msgs[k]["content"] == want
 
 
-def test_prompt_only_records_are_answered_and_bad_records_counted(tmp_path, ray_cluster, tiny_target, shared_data):
-    """ShareGPT first-turn prompts: all rejected as no_assistant without regeneration, all accepted with
-    it; the target then writes each answer. A record the chat template cannot render is counted with its
+def test_prompt_only_records_are_answered_and_bad_records_counted(tmp_path, ray_cluster, tiny_target, data_dir):
+    """ShareGPT first-turn prompts (500 GSM8K test questions as one-turn ShareGPT records): all rejected as
+    no_assistant without regeneration, all accepted with it; the target then writes each answer. A record the chat template cannot render is counted with its
     reason and dropped (it has no answer of its own to keep); the run goes on."""
     from pipeline.ingest import run_ingest
     from pipeline.config import Ingest
 
-    src = shared_data / "chat" / "sharegpt_v3_first_turn_prompts_500.sharegpt.json"
+    questions = [json.loads(x)["question"] for x in (data_dir / "gsm8k/test.jsonl").open()][:500]
+    src = tmp_path / "prompts.sharegpt.json"
+    src.write_text(json.dumps([{"id": f"q{i}", "conversations": [{"from": "human", "value": q}]}
+                               for i, q in enumerate(questions)]))
     ing = Ingest(sources=[{"path": str(src), "format": "sharegpt"}])
     off = run_ingest(ing, tmp_path / "off")
     on = run_ingest(ing, tmp_path / "on", prompt_only=True)
-    assert off["records"] == 0 and off["rejected_by_reason"]["no_assistant"] >= 480
-    assert on["records"] + on["rejected"] == on["read"] and on["prompt_only"] == on["records"] >= 480
+    assert off["records"] == 0 and off["rejected_by_reason"] == {"no_assistant": 500}
+    assert on["read"] == on["records"] == on["prompt_only"] == 500 and on["rejected"] == 0
     assert "no_assistant" not in on["rejected_by_reason"]
     recs = [json.loads(x) for x in (tmp_path / "on/records.jsonl").open()][:5]
     recs.append({"id": "bad", "source": "t", "messages": [{"role": "user", "content": None}]})

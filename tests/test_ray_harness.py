@@ -19,10 +19,6 @@ def test_ray_data_reads_demo_corpus(ray_cluster, demo_corpus):
     assert ids == sorted(json.loads(x)["id"] for x in lines)
 
 
-def test_shared_data_fixture(shared_data):
-    assert sum(1 for _ in (shared_data / "mt_bench" / "question.jsonl").open()) == 80
-
-
 def test_cpu_workers_keep_freed_memory(ray_cluster):
     """A Ray worker started with `cpu_worker_env` settles into reusing a freed 64 MB block: after a few
     rounds of allocate, touch, free, its pages no longer fault in again. A worker without it faults all

@@ -87,14 +87,14 @@ def sglang_ids_only(c):
 
 
 @pytest.mark.slow
-def test_vllm_agrees_on_good_heads_and_sees_broken_ones(vllm_python, tiny_target, tiny_head, tmp_path, shared_data):
+def test_vllm_agrees_on_good_heads_and_sees_broken_ones(vllm_python, tiny_target, tiny_head, tmp_path, data_dir):
     good = tiny_head.parent
     heads = {"sglang": good / "head_sglang", "speculators": good / "head_speculators",
              "wrong_d2t": rewrite(good / "head_speculators", tmp_path / "d2t", tensors_fn=shift_d2t),
              "aux_order": rewrite(good / "head_sglang", tmp_path / "order", tensors_fn=swap_low_high),
              "sglang_ids_only": rewrite(good / "head_sglang", tmp_path / "ids", config_fn=sglang_ids_only)}
     r = check_vllm.main(["--target", str(tiny_target), "--heads", *[f"{k}={v}" for k, v in heads.items()],
-                         "--vllm-python", str(vllm_python), "--shared", str(shared_data), "--n", "12",
+                         "--vllm-python", str(vllm_python), "--data", str(data_dir), "--n", "12",
                          "--max-new-tokens", "48", "--work-dir", str(tmp_path / "work")])
     f = r["formats"]
     for name in ("sglang", "speculators"):

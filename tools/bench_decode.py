@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--head", type=Path, default=Path("runs/demo/head/head_sglang"))
     ap.add_argument("--assistant", type=Path, default=Path("runs/demo/assistant"))
     ap.add_argument("--prompts", type=Path)
-    ap.add_argument("--shared", type=Path)
+    ap.add_argument("--data", "--shared", dest="shared", type=Path)
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--top-k", type=int, default=4)

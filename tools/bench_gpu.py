@@ -1,4 +1,4 @@
-"""Component benchmark on a GPU at Llama-3.1-8B shapes with random bf16 weights (README "GPU").
+"""Component benchmark on a GPU at Llama-3.1-8B shapes with random bf16 weights (docs/RESULTS.md "GPU").
 
     python tools/bench_gpu.py [--shape llama8b|tiny] [--out FILE] [--budget-s 480] [--sections a,b] [--profile]
 

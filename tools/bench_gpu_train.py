@@ -1,4 +1,4 @@
-"""The training sections of tools/bench_gpu.py (README "GPU"): the TTT attention on the flash kernel and on
+"""The training sections of tools/bench_gpu.py (docs/RESULTS.md "GPU"): the TTT attention on the flash kernel and on
 the blocked reference against fp32, one TTT step (either kernel, compiled or not, profiled on request), and
 the step over batch shapes that change. Each takes bench_gpu's `Run` (device, sync, timing, --profile)."""
 from __future__ import annotations

@@ -6,7 +6,7 @@ the same prompts, the same chat template, T=0, one process. The pipeline's own e
         [--max-new-tokens 128] [--hf-batch 16] [--threads 2]
 
 Prompts: the first user turn of the first n records of FILE (any corpus the ingest stage reads;
-default LIMA from ../shared/data). Prints one JSON object last: hf_tokens_per_s, vllm_tokens_per_s,
+the recorded figures used LIMA, data/README.md "Larger corpora"). Prints one JSON object last: hf_tokens_per_s, vllm_tokens_per_s,
 vllm_vs_hf, same_tokens_rate (share of prompts with identical answer token ids), token counts and load times,
 and where the answers part: `hf_batched_vs_single_rate` (HF left-padded batches vs HF one prompt at a time)
 and, at each first differing token, the target's own top-2 logit margin there (batch 1, fp32):
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -24,7 +23,6 @@ import torch
 
 from pipeline.formats import load_conversations
 
-SHARED = Path(os.environ.get("EAGLERAY_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 def first_turns(path: Path, n: int) -> list[list[dict]]:
@@ -78,7 +76,8 @@ def main(argv=None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
-    ap.add_argument("--prompts", type=Path, default=SHARED / "chat" / "lima_1029.ultrachat.jsonl")
+    ap.add_argument("--prompts", type=Path, required=True,
+                    help="a corpus file; the recorded figures used LIMA (lima_1029.ultrachat.jsonl, data/README.md)")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=16)

@@ -4,7 +4,7 @@
                                    [--prompts FILE.jsonl] [--n 200] [--max-new-tokens 64]
                                    [--dtype bfloat16 [--fused-verify]] [--device cuda]
 
-Default prompts: MT-Bench first turns and GSM8K test questions from ../shared/data (n/2 each).
+Default prompts: MT-Bench first turns and GSM8K test questions from data/ (n/2 each; --data DIR for another folder).
 The last line printed is one JSON object with `prompts` and `matched`.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", default="runs/demo/target")
     ap.add_argument("--head", default="runs/demo/head/head_sglang")
     ap.add_argument("--prompts", type=Path)
-    ap.add_argument("--shared", type=Path)
+    ap.add_argument("--data", "--shared", dest="shared", type=Path)
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=4)

@@ -156,7 +156,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=Path)
-    ap.add_argument("--shared", type=Path)
+    ap.add_argument("--data", "--shared", dest="shared", type=Path)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     ap.add_argument("--no-vanilla", action="store_true")
     ap.add_argument("--threads", type=int, default=2)

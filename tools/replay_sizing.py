@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="runs/demo/target")
     ap.add_argument("--head", default="runs/demo/head/head_sglang")
-    ap.add_argument("--shared", type=Path)
+    ap.add_argument("--data", "--shared", dest="shared", type=Path)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--top-k", type=int, default=4)

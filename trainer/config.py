@@ -10,7 +10,7 @@ from pipeline.yaml_config import ExistingPath, StrictModel
 
 
 class Data(StrictModel):
-    source: Literal["parquet", "stream", "hybrid"] = "parquet"  # trainer/sources.py; README "Training data"
+    source: Literal["parquet", "stream", "hybrid"] = "parquet"  # trainer/sources.py; docs/USAGE.md "Trainer"
     shards: ExistingPath | None = None        # parquet: a capture folder (shard-*.parquet, manifest, draft_vocab)
     pipeline: ExistingPath | None = None      # stream / hybrid: the pipeline YAML whose stages feed training
     max_tokens_per_batch: int = Field(4096, gt=0)  # padded tokens per micro-batch (length-bucketed)

@@ -15,7 +15,7 @@ step (2 x 1000 tokens, 9 heads, TTT 7, one thread) the attention forward + backw
 (blocked, materialised) to 0.8 s, and the memory traffic that made two workers contend goes with it.
 On CUDA the same merge runs on the FlashAttention-2 kernel (`_scaled_dot_product_flash_attention`: bf16 /
 fp16, head dim <= 256, sm80 or newer), which keeps a Llama-3.1-8B-shaped step's [B, h, T, T] fp32 scores
-out of memory (README "GPU").
+out of memory (docs/RESULTS.md "GPU").
 `trainer.ttt.ttt_attention` stays the reference (and the path elsewhere); tests compare both with the
 dense mask, gradients included.
 """
