@@ -181,4 +181,4 @@ def test_check_sources_names_the_first_missing_corpus(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1
     assert err[0].startswith(f"config error: {cfg}: ingest.sources.1.path: path does not exist: {tmp_path}/missing.json")
-    assert main([str(cfg), "--check-sources", f"ingest.sources.1.path={corpus}"]) == {"sources": 2}
+    assert main([str(cfg), f"ingest.sources.1.path={corpus}", "--check-sources"]) == {"sources": 2}
