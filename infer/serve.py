@@ -236,9 +236,15 @@ def app_from_env(args: dict | None = None):
 
 
 def start(cfg: ServeConfig, blocking: bool = False):
+    import logging
+
     from ray import serve
 
+    from pipeline.cluster import verbose
+
     ensure_ray(cfg.ray_address)
+    if not verbose():  # Serve's start-up INFO lines on the driver (proxy, controller, app deployed)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s + 30})
     if cfg.backend == "vllm":
         from infer.serve_vllm import build_vllm_application

@@ -16,7 +16,10 @@ from pipeline.config import Ingest, PipelineConfig
 
 
 def log(stage: str, info: dict, t0: float) -> None:
-    print(f"[{stage}] {time.time() - t0:.1f}s {json.dumps(info, ensure_ascii=False)}", flush=True)
+    """One line per stage: its scalar counts (the nested ones are in its stats.json and summary.json)."""
+    counts = ", ".join(f"{k} {v}" for k, v in info.items() if isinstance(v, (int, float, str)) and not
+                       isinstance(v, bool) and v != 0 and k != "fingerprint")
+    print(f"[{stage}] {time.time() - t0:.1f} s: {counts}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:

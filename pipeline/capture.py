@@ -18,7 +18,7 @@ import ray
 import torch
 
 from pipeline.buckets import length_buckets
-from pipeline.cluster import ACTOR_POOL_ARGS, check_actor_cpus
+from pipeline.cluster import check_actor_cpus, map_with_actors
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
 from pipeline.progress import progress_bar
 from pipeline.hidden import capture_hidden, check_logit_rule, to_host
@@ -193,9 +193,9 @@ def capture_dataset(cfg: Capture, target: Path, tokens_path: Path, ranges, signa
     "write_rows" also writes each shard to out_dir, "write" writes and yields counts only."""
     check_actor_cpus("capture.num_cpus_per_actor", min(cfg.num_actors, len(ranges)), cfg.num_cpus_per_actor)
     items = [{"index": i, "start": s, "end": e} for i, s, e in ranges]
-    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+    return map_with_actors(ray.data.from_items(items, override_num_blocks=len(items)),
         CaptureWorker, batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
         num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
         fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
-                                   out_dir=str(out_dir) if out_dir else None, signature=signature, mode=mode), **ACTOR_POOL_ARGS)
+                                   out_dir=str(out_dir) if out_dir else None, signature=signature, mode=mode))

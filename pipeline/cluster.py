@@ -7,7 +7,11 @@ import os
 # not 2 s, so a run ends when its workers do (docs/ARCHITECTURE.md §9). Set before Ray starts: its
 # processes inherit them.
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+           "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+           # The raylet warns on the console once a node has started 4x this many worker processes; it
+           # defaults to the node's CPUs, and a training run on 2 CPUs (controller, 2 workers, Ray Data's
+           # tasks) starts 8 by design.
+           "RAY_worker_maximum_startup_concurrency": "4"}
 for _k, _v in RAY_ENV.items():
     os.environ.setdefault(_k, _v)
 
@@ -86,11 +90,18 @@ def quiet_ray_data() -> None:
     ctx.enable_progress_bars = False
 
 
-# Ray Data's actor pools restart a dead actor by default; Ray's core then logs an error line at every actor's
-# start because Ray Data passes the actor its own arguments through the object store (ray-project/ray#57733,
-# a false alarm: the driver holds those references). Our actors' work is resumable at the stage level
-# instead (parts and shards are written under deterministic names; a rerun does only what is missing).
-ACTOR_POOL_ARGS = {"max_restarts": 0}
+def map_with_actors(ds, cls, **kwargs):
+    """`ds.map_batches(cls, ...)` on an actor pool whose actors are not restarted by Ray. Ray Data restarts
+    them by default, and Ray's core then logs an error line at every actor's start because Ray Data passes
+    the actor its own arguments through the object store (ray-project/ray#57733: a false alarm, the driver
+    holds those references). Our stages are resumable instead: parts and shards are written under
+    deterministic names and a rerun does only what is missing. This Ray names `max_restarts` only through
+    the deprecated `**ray_remote_args`; its deprecation warning is dropped for this one call."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return ds.map_batches(cls, max_restarts=0, **kwargs)
 
 
 def check_actor_cpus(key: str, num_actors: int, cpus_per_actor: float) -> None:

@@ -19,18 +19,21 @@ def progress_bar(desc: str, total: int, poll: Callable[[], int | tuple[int, dict
     stop = threading.Event()
     bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=5)
 
+    def tick():
+        try:
+            got = poll()
+        except (OSError, ValueError, KeyError):  # a file mid-write: try again next tick
+            got = None
+        if got is not None:
+            n, post = got if isinstance(got, tuple) else (got, None)
+            if n != bar.n:
+                if post:
+                    bar.set_postfix(post, refresh=False)
+                bar.update(n - bar.n)
+
     def run():
         while not stop.is_set():
-            try:
-                got = poll()
-            except (OSError, ValueError, KeyError):  # a file mid-write: try again next tick
-                got = None
-            if got is not None:
-                n, post = got if isinstance(got, tuple) else (got, None)
-                if n != bar.n:
-                    if post:
-                        bar.set_postfix(post, refresh=False)
-                    bar.update(n - bar.n)
+            tick()
             stop.wait(every_s)
 
     t = threading.Thread(target=run, daemon=True)
@@ -40,4 +43,5 @@ def progress_bar(desc: str, total: int, poll: Callable[[], int | tuple[int, dict
     finally:
         stop.set()
         t.join(timeout=5)
+        tick()  # the last part written since the previous poll
         bar.close()

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from pipeline.cluster import ACTOR_POOL_ARGS, check_actor_cpus
+from pipeline.cluster import check_actor_cpus, map_with_actors
 from pipeline.progress import progress_bar
 from pipeline.config import ChatTemplate, Regenerate
 from pipeline.target import TargetSpec, weights_id
@@ -266,12 +266,11 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
         parts = {"records": str(records), "out_dir": str(out_dir), "fingerprint": fp}
         done = lambda: sum(part_done(out_dir, i, fp) for i, _, _ in ranges)  # noqa: E731
         with progress_bar("regenerate", len(ranges), done, unit="chunk"):
-            ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            map_with_actors(ray.data.from_items(items, override_num_blocks=len(items)),
                 ENGINES[cfg.engine], batch_size=1, batch_format="numpy",
                 compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
                 num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
-                fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts},
-                **ACTOR_POOL_ARGS).materialize()
+                fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts}).materialize()
     sources = {}
     with open(records, encoding="utf-8") as f:
         for line in f:

@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
              "chinese_share": round(zh / len(train), 3),
              "bytes": (out / "train.jsonl").stat().st_size + (out / "val.jsonl").stat().st_size}
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
-    print(json.dumps(stats))
+    print(f"[corpus] {len(train)} training and {len(val)} held-out chats ({stats['chinese_share']:.0%} Chinese, "
+          f"{stats['bytes'] / 1e6:.1f} MB) in {out}/", flush=True)
     return stats
 
 
