@@ -257,6 +257,21 @@ def start(cfg: ServeConfig, blocking: bool = False):
     return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
 
 
+def stop() -> None:
+    """Serve's graceful shutdown on a cluster we joined. On the local Ray this process started, stopping Ray
+    ends Serve with it: Serve's controller exits inside its own graceful_shutdown task, and Ray then logs
+    that task's retry as an error on the console."""
+    import ray
+    from ray import serve
+
+    from pipeline.cluster import started_local_ray
+
+    if started_local_ray():
+        ray.shutdown()
+    else:
+        serve.shutdown()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = config_arguments("python -m infer.serve", __doc__).parse_args(argv)
     cfg = load_or_exit(ServeConfig, args.config, args.overrides)
@@ -266,9 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        from ray import serve
-
-        serve.shutdown()
+        stop()
 
 
 if __name__ == "__main__":

@@ -53,6 +53,16 @@ def verbose() -> bool:
     return os.environ.get("EAGLERAY_VERBOSE", "") not in ("", "0")
 
 
+_STARTED_LOCAL = False
+
+
+def started_local_ray() -> bool:
+    """Whether this process started the Ray it is connected to (so stopping it ends everything on it)."""
+    import ray
+
+    return _STARTED_LOCAL and ray.is_initialized()
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Join `address` (or $RAY_ADDRESS, as under `ray job submit`), else start a local Ray on 127.0.0.1.
     Returns how it connected and where the worker logs are, for the log."""
@@ -61,6 +71,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if ray.is_initialized():
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
+    global _STARTED_LOCAL
     if address:
         ray.init(address=address, log_to_driver=verbose())
         how = f"joined {address}"
@@ -68,7 +79,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         # The dashboard serves the state API that Ray Train's controller polls; without it, it logs every second.
         ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                  _node_ip_address="127.0.0.1", log_to_driver=verbose(), logging_level="WARNING")
-        how = "started a local Ray"
+        how, _STARTED_LOCAL = "started a local Ray", True
     try:
         logs = ray._private.worker.global_worker.node.get_logs_dir_path()
     except AttributeError:  # joined through a client: the logs live on the cluster

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from infer.serve import ServeConfig, start
+from infer.serve import ServeConfig, start, stop
 from pipeline.yaml_config import load_or_exit
 
 QUESTION = "Write a Python function that returns the sum of a list of numbers."
@@ -25,7 +25,6 @@ def main(argv=None) -> dict:
     path = argv.pop(0) if argv and not argv[0].count("=") else "configs/serve/demo.yaml"
     cfg = load_or_exit(ServeConfig, path, argv)
     import openai
-    from ray import serve
 
     url = start(cfg)
     try:
@@ -36,7 +35,7 @@ def main(argv=None) -> dict:
                "answer": r.choices[0].message.content, "completion_tokens": r.usage.completion_tokens,
                "tau": r.usage.model_extra.get("tau")}
     finally:
-        serve.shutdown()
+        stop()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, ensure_ascii=False, indent=2))
     print(f"[serve] {out['endpoint']} ({cfg.model_name}) answered with the openai client: "
