@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.reuse and old.get("recipe") == recipe_key(recipe) and not old.get("hit_time_cap"):
         report = json.loads(previous.read_text())
         report["samples"] = json.loads((recipe.out / "samples.json").read_text())[:3]
-        print(f"target: reusing {recipe.out} (same recipe; delete the folder to retrain)")
+        print(f"target: reusing the target in {recipe.out} (same recipe; delete the folder to retrain)")
     else:
         report = train_target(recipe)
     # Loss, size and time; the sample answers stay in samples.json: a model this small trained this briefly
