@@ -18,7 +18,7 @@ import ray
 import torch
 
 from pipeline.buckets import length_buckets
-from pipeline.cluster import check_actor_cpus, map_with_actors
+from pipeline.cluster import check_actor_cpus
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
 from pipeline.progress import progress_bar
 from pipeline.hidden import capture_hidden, check_logit_rule, to_host
@@ -193,7 +193,10 @@ def capture_dataset(cfg: Capture, target: Path, tokens_path: Path, ranges, signa
     "write_rows" also writes each shard to out_dir, "write" writes and yields counts only."""
     check_actor_cpus("capture.num_cpus_per_actor", min(cfg.num_actors, len(ranges)), cfg.num_cpus_per_actor)
     items = [{"index": i, "start": s, "end": e} for i, s, e in ranges]
-    return map_with_actors(ray.data.from_items(items, override_num_blocks=len(items)),
+    # Restartable actors (Ray Data's default): a streamed epoch has no shard files to resume from, and a
+    # killed actor's shard is retried in place (tests/test_stream.py). Ray's core logs one false-alarm
+    # error line per actor for it (ray#57733; pipeline.cluster.map_with_actors).
+    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         CaptureWorker, batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
         num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,

@@ -105,8 +105,9 @@ def map_with_actors(ds, cls, **kwargs):
     """`ds.map_batches(cls, ...)` on an actor pool whose actors are not restarted by Ray. Ray Data restarts
     them by default, and Ray's core then logs an error line at every actor's start because Ray Data passes
     the actor its own arguments through the object store (ray-project/ray#57733: a false alarm, the driver
-    holds those references). Our stages are resumable instead: parts and shards are written under
-    deterministic names and a rerun does only what is missing. This Ray names `max_restarts` only through
+    holds those references). For regeneration, whose parts are written under deterministic names so a
+    rerun does only what is missing. Capture keeps restarts: a streamed epoch (trainer/sources.py) has no
+    files to resume from, so a killed capture actor must be restarted in place. This Ray names `max_restarts` only through
     the deprecated `**ray_remote_args`; its deprecation warning is dropped for this one call."""
     import warnings
 
