@@ -102,13 +102,12 @@ def quiet_ray_data() -> None:
 
 
 def map_with_actors(ds, cls, **kwargs):
-    """`ds.map_batches(cls, ...)` on an actor pool whose actors are not restarted by Ray. Ray Data restarts
-    them by default, and Ray's core then logs an error line at every actor's start because Ray Data passes
-    the actor its own arguments through the object store (ray-project/ray#57733: a false alarm, the driver
-    holds those references). For regeneration, whose parts are written under deterministic names so a
-    rerun does only what is missing. Capture keeps restarts: a streamed epoch (trainer/sources.py) has no
-    files to resume from, so a killed capture actor must be restarted in place. This Ray names `max_restarts` only through
-    the deprecated `**ray_remote_args`; its deprecation warning is dropped for this one call."""
+    """`ds.map_batches(cls, ...)` on an actor pool whose actors Ray does not restart (regeneration's).
+    Restartable actors make Ray's core log an error line at every actor's start, because Ray Data passes
+    them their arguments through the object store (ray-project/ray#57733: a false alarm, the driver holds
+    those references). Regeneration resumes from its parts instead. Capture keeps Ray Data's restarts: a
+    streamed epoch (trainer/sources.py) has no files to resume from. This Ray takes `max_restarts` only
+    through the deprecated `**ray_remote_args`, so that deprecation warning is dropped for this one call."""
     import warnings
 
     with warnings.catch_warnings():
