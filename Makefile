@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean-demo vllm-check real-target real real-sources
+.PHONY: demo test install clean-demo vllm-check real-target real real-sources peers
 
 install: $(STAMP)
 
@@ -96,3 +96,19 @@ $(REAL)/serve.txt: $(REAL)/report/report.json $(REAL)/report_chain/report.json
 
 $(REAL)/vllm_check.json: $(REAL)/serve.txt
 	$(PY) tools/check_vllm.py --target $(REAL)/target --head-dir $(REAL)/head --n 20 --k 3 > $@.tmp && mv $@.tmp $@ && tail -1 $@
+
+# The peers' trainers, each in an environment of its own under .peers/ (never in .venv): speculators 0.9.0
+# on the same torch CPU build. pip also pulls torchvision/torchaudio builds for another torch, which break
+# `import transformers` there as here: removed. Used by tools/bench_peers.py (docs/MEASUREMENTS.md).
+PEERS := .peers
+peers: $(PEERS)/speculators/.installed
+
+$(PEERS)/speculators/.installed:
+	@test -x $(PEERS)/speculators/bin/python || $(PYTHON) -m venv $(PEERS)/speculators
+	@mkdir -p $(PEERS) && echo "torch==2.13.0+cpu" > $(PEERS)/constraints.txt
+	@$(PEERS)/speculators/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	@$(PEERS)/speculators/bin/python -m pip install --quiet --disable-pip-version-check "speculators==0.9.0" \
+		"hs-connectors==0.9.0" "datasets<=5.1.0" -c $(PEERS)/constraints.txt 2>&1 | grep -v "is ignored" || true
+	@$(PEERS)/speculators/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(PEERS)/speculators/bin/python -c "import torch, speculators.train.cli; assert torch.__version__.startswith('2.13.0')"
+	@touch $@

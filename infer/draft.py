@@ -76,7 +76,7 @@ class DraftRunner:
     def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int, mask: torch.Tensor,
               last_only: bool = False):
         """m elements written at cache slots [slot, slot + m), attending to slots [0, slot + m) under
-        mask [m, slot + m] bool. -> (pre-norm outputs [m, H], logits [m, Vd], or [1, Vd] for the last
+        mask [m, slot + m] bool. -> (states [m, H] (the head's `finish`), logits [m, Vd], or [1, Vd] for the last
         element when last_only)."""
         emb = F.embedding(tokens, self.embed)[None]
         end = slot + len(tokens)
@@ -107,6 +107,8 @@ class DraftRunner:
         """What the scripted halves of the head's layer take (infer/scripted_layer.py) when every linear
         is packed and a probe step gives the modules' bits; else None (the modules' path)."""
         layer, head = self.head.midlayer, self.head
+        if head.config.norm_before_residual or head.config.norm_output:
+            return None  # the scripted halves are EAGLE-3's residual and pre-norm state: the modules' path
         parts = (layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up,
                  layer.mlp.down_proj, head.lm_head)
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)
@@ -160,9 +162,9 @@ class DraftRunner:
     @torch.no_grad()
     def ingest(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):
         """Commit elements for target positions `positions` (features aux [n, 3Ht], next tokens [n]).
-        Returns the last element's pre-norm output and logits (they propose the next token's children)."""
+        Returns the last element's state (the head's `finish`) and logits (they propose the next token's children)."""
         n, c = len(next_tokens), self.cache.committed
-        h = self.head.fc(aux.to(self.embed.dtype))
+        h = self.head.features(aux.to(self.embed.dtype))
         mask = torch.ones(n, c + n, dtype=torch.bool, device=h.device)
         mask[:, c:] = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
         x, logits = self._step(h, next_tokens, positions, c, mask, last_only=True)  # a prompt: no [n, Vd]

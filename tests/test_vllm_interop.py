@@ -114,3 +114,37 @@ def test_vllm_agrees_on_good_heads_and_sees_broken_ones(vllm_python, tiny_target
     assert old["vllm_tau"] < old["ours_tau"], old
     # Speculation never changes vLLM's greedy output, broken head or not; and vLLM's plain greedy is ours.
     assert r["vllm_spec_vs_vanilla_match_rate"] >= 0.9 and r["vllm_vanilla_vs_ours_match_rate"] >= 0.9
+
+
+@pytest.mark.slow
+def test_vllm_runs_an_eagle31_head_as_we_do(vllm_python, tiny_target, pipeline_run, tmp_path, data_dir):
+    """A head trained with speculators' defaults (EAGLE 3.1 norms, the target's lm_head rows frozen),
+    exported as speculators: vLLM reads every option from that config, so both engines accept alike."""
+    from conftest import write_yaml
+    from pipeline.yaml_config import load_config
+    from trainer.config import TrainConfig
+    from trainer.driver import run_training
+
+    out = tmp_path / "head31"
+    tree = {"target": str(tiny_target), "out_dir": str(out), "export_formats": ["speculators"],
+            "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 0},
+            "model": {"ttt_length": 3, "norm_before_fc": True, "norm_before_residual": True, "norm_output": True,
+                      "lm_head_init": "target", "freeze_lm_head": True},
+            "optim": {"lr": 5e-3}, "max_steps": 240, "epochs": 20, "log_every": 20,
+            "scaling": {"num_workers": 1, "cpus_per_worker": 1}}
+    run_training(load_config(TrainConfig, write_yaml(tmp_path / "t.yaml", tree)))
+    head = out / "head_speculators"
+    assert not (out / "head_sglang").exists()
+    conf = json.loads((head / "config.json").read_text())
+    assert (conf["norm_before_fc"], conf["norm_before_residual"], conf["norm_output"], conf["fc_norm"]) == \
+        (True, True, True, False)
+    dropped = rewrite(head, tmp_path / "dropped", config_fn=lambda c: c.update(norm_output=False))
+    r = check_vllm.main(["--target", str(tiny_target), "--heads", f"eagle31={head}", f"dropped={dropped}",
+                         "--vllm-python", str(vllm_python), "--data", str(data_dir), "--n", "12",
+                         "--max-new-tokens", "48", "--no-vanilla", "--work-dir", str(tmp_path / "work")])
+    f, d = r["formats"]["eagle31"], r["formats"]["dropped"]
+    assert f["aux_layers_agree"] and 0.9 <= f["tau_ratio"] <= 1.1, f
+    assert f["text_match_rate"] >= 0.9, f["mismatches"]
+    assert f["vllm_tau"] > 1.6, f
+    # the option is read, not ignored: the same tensors without it accept less in vLLM
+    assert d["vllm_tau"] < f["vllm_tau"] - 0.1, (d["vllm_tau"], f["vllm_tau"])

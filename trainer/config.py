@@ -60,6 +60,29 @@ class Model(StrictModel):
     attention: Literal["auto", "flash", "blocked"] = "auto"  # TTT attention kernel (ARCHITECTURE.md §5):
     #                                           auto = PyTorch's flash kernel (CPU, CUDA) where it runs, else blocked
     compile: bool = False  # torch.compile the step's pieces around the attention (ARCHITECTURE.md §5)
+    # EAGLE 3.1 (trainer/head.py HeadConfig; ARCHITECTURE.md §4 "Head options"). A head with any of them
+    # exports as speculators only (SGLang's head reads none of them).
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    # The draft lm_head's start: "random", or "target": the target's lm_head rows of the draft vocabulary
+    # (speculators' recipe, which also freezes them: freeze_lm_head).
+    lm_head_init: Literal["random", "target"] = "random"
+    freeze_lm_head: bool = False
+
+    @property
+    def head_options(self) -> dict[str, bool]:
+        from trainer.head import HEAD_OPTIONS
+        return {k: getattr(self, k) for k in HEAD_OPTIONS}
+
+    @model_validator(mode="after")
+    def _one_aux_norm(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm: one or the other (both norm the aux states)")
+        if self.freeze_lm_head and self.lm_head_init == "random" and self.init_from is None:
+            raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
+        return self
 
 
 class Scaling(StrictModel):

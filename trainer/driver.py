@@ -96,7 +96,8 @@ def run_training(cfg: TrainConfig) -> dict:
     data = training_data(cfg)
     spec = TargetSpec.read(cfg.target)
     check_manifest(data.signature, spec)
-    check_exportable(data.signature["aux_layer_ids"], spec.num_layers, list(cfg.export_formats))
+    check_exportable(data.signature["aux_layer_ids"], spec.num_layers, list(cfg.export_formats),
+                     cfg.model.head_options)
     d2t, t2d = load_draft_vocab(data.vocab_dir)
     total = estimate_total_steps(cfg, data.length_files, set(data.val["id"].to_pylist()))
     print(f"trainer: {where}; {data.rows} rows, {data.tokens} tokens ({cfg.data.source}); {total} optimizer "

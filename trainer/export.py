@@ -19,29 +19,46 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.target import TargetSpec, default_aux_layers, resolve_aux_layers
-from trainer.head import HeadConfig
+from trainer.head import HEAD_OPTIONS, HeadConfig
 
 LAYER_KEYS = ["hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
               "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
 HEAD_KEYS = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] + [f"midlayer.{k}" for k in LAYER_KEYS]
 FORMATS = ("sglang", "speculators")
+# Tensors that only some heads hold (trainer/head.py HEAD_OPTIONS); the names are vLLM's and speculators'.
+OPTION_KEYS = {"norm_before_fc": ["input_norm.weight"], "fc_norm": [f"fc_norm.{i}.weight" for i in range(3)]}
+# Tensors a peer's checkpoint may carry that are the target's, not the head's: we use the target's own.
+TARGET_COPIES = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
 
 
-def check_keys(state: dict, where: str) -> None:
-    missing = sorted(set(HEAD_KEYS) - set(state))
-    extra = sorted(set(state) - set(HEAD_KEYS))
+def head_keys(options: dict | None = None) -> list[str]:
+    """The tensor names of a head with these options (HeadConfig.options; None: plain EAGLE-3)."""
+    extra = [k for opt, keys in OPTION_KEYS.items() if (options or {}).get(opt) for k in keys]
+    return HEAD_KEYS + extra
+
+
+def check_keys(state: dict, where: str, options: dict | None = None) -> None:
+    want = head_keys(options)
+    missing = sorted(set(want) - set(state))
+    extra = sorted(set(state) - set(want))
     if missing or extra:
         raise ValueError(f"{where}: head tensors do not match ARCHITECTURE.md §4 (missing {missing}, unexpected {extra})")
 
 
-def check_exportable(aux_layer_ids: list[int], num_target_layers: int, formats: list[str]) -> None:
+def check_exportable(aux_layer_ids: list[int], num_target_layers: int, formats: list[str],
+                     options: dict | None = None) -> None:
     """Refuse what an engine cannot load, before training rather than after it: engines sort and
-    de-duplicate aux ids, so only three distinct ascending layers mean the same thing everywhere."""
+    de-duplicate aux ids, so only three distinct ascending layers mean the same thing everywhere; SGLang's
+    LlamaForCausalLMEagle3 reads none of the EAGLE 3.1 options (it would drop their tensors silently)."""
     resolve_aux_layers(num_target_layers, list(aux_layer_ids), "export: aux layer ids")
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"export_formats: unknown {unknown} (known: {', '.join(FORMATS)})")
+    on = [k for k, v in (options or {}).items() if v]
+    if on and "sglang" in formats:
+        raise ValueError(f"export_formats: sglang: SGLang's EAGLE-3 head reads none of model.{', model.'.join(on)}; "
+                         f"export this head as speculators (vLLM reads it)")
 
 
 def expected_shapes(cfg: HeadConfig) -> dict[str, tuple]:
@@ -49,6 +66,7 @@ def expected_shapes(cfg: HeadConfig) -> dict[str, tuple]:
     nq, nkv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
     return {"fc.weight": (h, 3 * ht), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
             "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
+            "input_norm.weight": (3 * ht,), **{f"fc_norm.{i}.weight": (ht,) for i in range(3)},
             "midlayer.hidden_norm.weight": (h,), "midlayer.input_layernorm.weight": (h,),
             "midlayer.post_attention_layernorm.weight": (h,), "midlayer.self_attn.q_proj.weight": (nq, 2 * h),
             "midlayer.self_attn.k_proj.weight": (nkv, 2 * h), "midlayer.self_attn.v_proj.weight": (nkv, 2 * h),
@@ -77,11 +95,9 @@ def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], target: 
     """Write a head folder (config.json + model.safetensors) in `fmt` for `target` (its layer count checks
     the aux ids; speculators configs name it as the verifier)."""
     state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    check_keys(state, "export")
-    for k, shape in expected_shapes(cfg).items():
-        if tuple(state[k].shape) != shape:
-            raise ValueError(f"export: {k} has shape {tuple(state[k].shape)}, expected {shape}")
-    check_exportable(aux_layer_ids, target.num_layers, [fmt])
+    check_keys(state, "export", cfg.options)
+    _check_shapes(state, cfg, "export")
+    check_exportable(aux_layer_ids, target.num_layers, [fmt], cfg.options)
     out.mkdir(parents=True, exist_ok=True)
     ht = cfg.target_hidden_size
     aux = [int(j) for j in aux_layer_ids]
@@ -97,7 +113,7 @@ def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], target: 
     elif fmt == "speculators":
         conf = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                 "speculators_version": "0.3.0", "draft_vocab_size": cfg.draft_vocab_size,
-                "target_hidden_size": ht, "norm_before_residual": False,
+                "target_hidden_size": ht, **cfg.options,
                 "eagle_aux_hidden_state_layer_ids": inputs,
                 "transformer_layer_config": {**_llama_fields(cfg), "architectures": ["LlamaForCausalLM"]},
                 "speculators_config": {
@@ -116,16 +132,16 @@ def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], target: 
 
 def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dict, HeadConfig, list[int] | None]:
     """Read a head in either format -> (state in SGLang naming, head config, aux ids as outputs of layers;
-    None when the config relies on the default rule and num_target_layers is not given)."""
+    None when the config relies on the default rule and num_target_layers is not given). EAGLE 3.1 options
+    are read as vLLM reads them (a speculators config without `norm_before_residual` means true there)."""
     folder = Path(folder)
     conf = json.loads((folder / "config.json").read_text())
     raw = load_file(str(folder / "model.safetensors"))
     if "speculators_config" in conf or conf.get("architectures") == ["Eagle3Speculator"]:
-        if conf.get("norm_before_residual", True):
-            raise ValueError(f"{folder}: norm_before_residual must be false for this head architecture")
         fields = dict(conf["transformer_layer_config"])
         fields.setdefault("draft_vocab_size", conf["draft_vocab_size"])
-        fields["target_hidden_size"] = conf.get("target_hidden_size", fields["hidden_size"])
+        fields["target_hidden_size"] = conf.get("target_hidden_size") or fields["hidden_size"]  # speculators: null
+        options = {k: bool(conf.get(k, k == "norm_before_residual")) for k in HEAD_OPTIONS}
         ids = conf.get("eagle_aux_hidden_state_layer_ids")
         aux = [j - 1 for j in ids] if ids else None
         state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in raw.items()}
@@ -134,26 +150,36 @@ def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dic
     else:
         fields = dict(conf)
         fields.setdefault("target_hidden_size", fields["hidden_size"])
+        eagle = conf.get("eagle_config") or {}
+        options = {k: bool(eagle.get(k, conf.get(k, False))) for k in HEAD_OPTIONS}
         aux = _sglang_file_aux(conf, folder)
         state = dict(raw)
-        state.pop("embed_tokens.weight", None)  # some exports carry the target's embedding; we use the target's
+    for k in TARGET_COPIES:  # some exports carry the target's tensors; we use the target's own
+        state.pop(k, None)
     if aux is None and num_target_layers is not None:
         aux = default_aux_layers(num_target_layers)
-    check_keys(state, str(folder))
+    check_keys(state, str(folder), options)
     rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
     if fields.get("rope_scaling"):
         rope.update(fields["rope_scaling"])
-    cfg = HeadConfig(
-        hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
-        num_attention_heads=fields["num_attention_heads"], num_key_value_heads=fields["num_key_value_heads"],
-        head_dim=fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"],
-        vocab_size=fields["vocab_size"], draft_vocab_size=fields["draft_vocab_size"],
-        target_hidden_size=fields["target_hidden_size"], rms_norm_eps=fields["rms_norm_eps"],
-        max_position_embeddings=fields["max_position_embeddings"], rope_parameters=rope)
-    for k, shape in expected_shapes(cfg).items():
-        if tuple(state[k].shape) != shape:
-            raise ValueError(f"{folder}: {k} has shape {tuple(state[k].shape)}, expected {shape}")
+    try:
+        cfg = HeadConfig(
+            hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
+            num_attention_heads=fields["num_attention_heads"], num_key_value_heads=fields["num_key_value_heads"],
+            head_dim=fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"],
+            vocab_size=fields["vocab_size"], draft_vocab_size=fields["draft_vocab_size"],
+            target_hidden_size=fields["target_hidden_size"], rms_norm_eps=fields["rms_norm_eps"],
+            max_position_embeddings=fields["max_position_embeddings"], rope_parameters=rope, **options)
+    except ValueError as err:
+        raise ValueError(f"{folder}: {err}") from None
+    _check_shapes(state, cfg, str(folder))
     return state, cfg, aux
+
+
+def _check_shapes(state: dict, cfg: HeadConfig, where: str) -> None:
+    for k, shape in expected_shapes(cfg).items():
+        if k in state and tuple(state[k].shape) != shape:
+            raise ValueError(f"{where}: {k} has shape {tuple(state[k].shape)}, expected {shape}")
 
 
 def _sglang_file_aux(conf: dict, folder: Path) -> list[int] | None:
@@ -178,4 +204,5 @@ def convert_head(src: Path, target: TargetSpec, out: Path, fmt: str, aux_layer_i
 
 def head_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The exportable tensors of an Eagle3Head (drops the non-persistent rotary cache)."""
-    return {k: v for k, v in head.state_dict().items() if k in HEAD_KEYS}
+    keys = set(head_keys(head.config.options))
+    return {k: v for k, v in head.state_dict().items() if k in keys}

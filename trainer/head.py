@@ -34,6 +34,22 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    # EAGLE 3.1 options (ARCHITECTURE.md §4, "Head options"), each read by vLLM under the same name:
+    norm_before_fc: bool = False        # one RMSNorm over the concatenated aux states (`input_norm`)
+    fc_norm: bool = False               # an RMSNorm per aux state before the fc (`fc_norm.{i}`)
+    norm_before_residual: bool = False  # the residual is hidden_norm(h), not h
+    norm_output: bool = False           # the next step is fed the final-normed state
+
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("model.norm_before_fc and model.fc_norm: one or the other (both norm the aux states)")
+
+    @property
+    def options(self) -> dict[str, bool]:
+        return {k: getattr(self, k) for k in HEAD_OPTIONS}
+
+
+HEAD_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
 
 def head_rope(tcfg) -> dict:
@@ -51,7 +67,8 @@ def head_rope(tcfg) -> dict:
     return out | {"rope_type": kind, "rope_theta": float(theta)}
 
 
-def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int | None = None) -> HeadConfig:
+def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int | None = None,
+                            **options: bool) -> HeadConfig:
     """A head shaped like one layer of the target (H, heads, kv heads, rope, eps). Targets whose layers
     are not Llama-shaped (GPT-2, MLA) get head_dim H / heads and an MLP of 4H when they name none."""
     tcfg = text_config(tcfg)
@@ -67,7 +84,7 @@ def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int 
                       num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
                       vocab_size=tcfg.vocab_size, draft_vocab_size=draft_vocab_size, target_hidden_size=h,
                       rms_norm_eps=float(eps), max_position_embeddings=tcfg.max_position_embeddings,
-                      rope_parameters=head_rope(tcfg))
+                      rope_parameters=head_rope(tcfg), **options)
 
 
 class Rotary:
@@ -169,6 +186,8 @@ class Eagle3Head(nn.Module):
         self.config = cfg
         h, h_t = cfg.hidden_size, cfg.target_hidden_size
         self.fc = nn.Linear(3 * h_t, h, bias=False)
+        self.input_norm = RMSNorm(3 * h_t, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(h_t, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
@@ -180,6 +199,14 @@ class Eagle3Head(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    def features(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., 3 Ht] (low, mid, high) -> the first step's h [..., H]."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
+        return self.fc(aux)
+
     # One decoder step, split in two so callers own the attention (TTT blocks here, tree masks in infer).
     def qkv(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor):
         layer = self.midlayer
@@ -188,11 +215,15 @@ class Eagle3Head(nn.Module):
         return layer.self_attn.qkv(x, cos, sin)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual from the un-normed input h; returns the pre-norm output fed to the next step."""
-        layer = self.midlayer
+        """Residual from the input h (un-normed; hidden_norm(h) with norm_before_residual); returns the
+        state fed to the next step: pre-norm, or final-normed with norm_output. `logits` takes it."""
+        layer, cfg = self.midlayer, self.config
         b, _, t, _ = attn.shape
-        x = h + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        res = layer.hidden_norm(h) if cfg.norm_before_residual else h
+        x = res + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x) if cfg.norm_output else x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+        """Draft logits of a state from `finish` (already normed with norm_output)."""
+        return self.lm_head(x if self.config.norm_output else self.norm(x))

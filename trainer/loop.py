@@ -21,7 +21,7 @@ from trainer.data import Alone, EpochCache, MicroBatches, RankPace, batch_cost, 
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec, cpu_has_native_bf16
 from trainer.head import Eagle3Head, head_config_from_target
-from trainer.warm_start import warm_start_state
+from trainer.warm_start import target_lm_rows, warm_start_state
 from trainer.target_parts import load_target_parts
 from trainer.ttt import StepSums, TTTObjective, target_distribution, target_rows
 
@@ -63,14 +63,21 @@ class HeadTrainer:
         parts = load_target_parts(cfg.target)
         self.spec = TargetSpec.read(cfg.target)
         self.aux_layer_ids = aux_layer_ids
-        hcfg = head_config_from_target(self.spec.config, len(d2t), cfg.model.intermediate_size)
+        hcfg = head_config_from_target(self.spec.config, len(d2t), cfg.model.intermediate_size,
+                                       **cfg.model.head_options)
         head = Eagle3Head(hcfg)
+        if cfg.model.lm_head_init == "target":
+            head.lm_head.weight.data.copy_(target_lm_rows(parts.lm_weight, d2t, hcfg.hidden_size))
         if cfg.model.init_from is not None:
             from trainer.export import import_head
-            state, _, _ = import_head(cfg.model.init_from, self.spec.num_layers)
+            state, old, _ = import_head(cfg.model.init_from, self.spec.num_layers)
+            if old.options != hcfg.options:
+                raise ValueError(f"model.init_from: that head was trained with {old.options}; this run's model "
+                                 f"options are {hcfg.options}")
             state = warm_start_state(state, hcfg, d2t, parts.lm_weight)
             head.load_state_dict(state, strict=False)
         head.set_vocab(d2t, t2d)
+        head.lm_head.weight.requires_grad_(not cfg.model.freeze_lm_head)
         self.hcfg = hcfg
         self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
         if (self.compute_dtype == torch.bfloat16 and not cfg.scaling.use_gpu and self.rank == 0
@@ -91,7 +98,8 @@ class HeadTrainer:
         if not self.cfg.scaling.use_gpu:
             skip_shm_build()
         o = self.cfg.optim
-        opt = torch.optim.AdamW(objective.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        trainable = [p for p in objective.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
         ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": o.grad_accum,
                   "gradient_clipping": o.grad_clip, "steps_per_print": 10 ** 9,
@@ -144,7 +152,7 @@ class HeadTrainer:
         if self.rank != 0:
             return
         out = Path(self.cfg.out_dir) / "best"
-        export_head(state, self.hcfg, self.aux_layer_ids, self.spec, out, "sglang")
+        export_head(state, self.hcfg, self.aux_layer_ids, self.spec, out, self.cfg.export_formats[0])
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
 
 

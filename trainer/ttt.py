@@ -134,12 +134,12 @@ def step_weights(ttt_length: int, decay: float) -> list[float]:
 
 def ttt_unroll(head, aux: torch.Tensor, emb: torch.Tensor, ttt_length: int, flash: bool | None = None):
     """The TTT steps of an Eagle3Head over a padded batch (index rules above): yields step s's output
-    hidden [B, T, H] (pre-norm; `head.logits` of it are the step's logits) for s = 0 .. ttt_length-1.
+    state [B, T, H] (`head.finish`'s; `head.logits` of it are the step's logits) for s = 0 .. ttt_length-1.
     aux [B,T,3Ht]; emb [B,T,H], embeddings of input_ids. flash: PyTorch's flash kernel
     (trainer/ttt_flash.py, CPU or CUDA) for the attention; None = wherever it runs, False = the blocked
     reference."""
     b, t, _ = emb.shape
-    h = head.fc(aux)
+    h = head.features(aux)
     attn_mod = head.midlayer.self_attn
     if flash is None:
         flash = flash_available(h, attn_mod.head_dim)

@@ -1,4 +1,5 @@
-"""Warm start from another head (`model.init_from`): its weights, its lm_head rows remapped by token.
+"""Warm start from another head (`model.init_from`): its weights, its lm_head rows remapped by token; or
+the draft lm_head from the target's own rows (`model.lm_head_init: target`).
 
 A head's lm_head row i scores draft id i, i.e. target token i + d2t[i]. A new corpus gives a new draft
 vocabulary, so the old rows are moved to the new draft ids of the same target tokens; tokens the old head
@@ -36,6 +37,15 @@ def remap_lm_head(old_w: torch.Tensor, old_d2t: torch.Tensor, new_d2t: torch.Ten
     return out, int(kept.sum())
 
 
+def target_lm_rows(target_lm: torch.Tensor, d2t: torch.Tensor, width: int) -> torch.Tensor:
+    """The target's lm_head rows of the draft vocabulary [len(d2t), H], as speculators starts its draft
+    lm_head: draft id i scores target token i + d2t[i]. Needs a head as wide as the target."""
+    if target_lm.shape[1] != width:
+        raise ValueError(f"model.lm_head_init: target needs a head as wide as the target's lm_head "
+                         f"({target_lm.shape[1]}), not {width}")
+    return target_lm[torch.arange(len(d2t)) + d2t.long().cpu()].float().clone()
+
+
 def warm_start_state(state: dict, cfg: HeadConfig, d2t: torch.Tensor, target_lm: torch.Tensor) -> dict:
     """An imported head's state made to fit `cfg` and this corpus's draft vocabulary `d2t`; refuses a
     head of another shape (other hidden size, target width or vocabulary) naming the tensor."""
@@ -43,7 +53,7 @@ def warm_start_state(state: dict, cfg: HeadConfig, d2t: torch.Tensor, target_lm:
 
     want = expected_shapes(cfg)
     for k, shape in want.items():
-        if k in ("lm_head.weight", "d2t"):
+        if k in ("lm_head.weight", "d2t") or k not in state:
             continue
         if tuple(state[k].shape) != shape:
             raise ValueError(f"model.init_from: {k} has shape {tuple(state[k].shape)}, this target's head needs "

@@ -1,0 +1,86 @@
+"""tools/bench_peers.py's data path: our shards in speculators' offline layout, and (where `make peers` built
+its environment) speculators' own trainer on them, its head read by our engine."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peers import speculators_prep
+from pipeline.codec import from_bytes
+from pipeline.shards import read_manifest
+from pipeline.vocab import load_draft_vocab
+from trainer.data import collate, shard_files, val_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PYTHON = ROOT / ".peers" / "speculators" / "bin" / "python"
+
+
+def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
+    capture = pipeline_run / "capture"
+    man = read_manifest(capture)
+    held = val_rows(shard_files(capture), 5)["id"].to_pylist()
+    prep = speculators_prep.write(capture, tiny_target, tmp_path / "prep", 5)
+    rows = [json.loads(line) for line in (prep / "rows.jsonl").open()]
+    assert len(rows) == man["rows"] == len(list((prep / "hidden_states").glob("hs_*.safetensors")))
+    # our training rows first, our held-out rows last: speculators' ratio split gives it exactly those
+    tail = [r["input_ids"] for r in speculators_prep.training_rows(capture, 5, held_out=True)]
+    assert [r["input_ids"] for r in rows[-5:]] == tail and len(held) == 5
+    assert int(len(rows) * speculators_prep.train_ratio(prep)) == man["rows"] - 5
+    first = next(speculators_prep.training_rows(capture, 5))
+    assert first["id"] not in held
+    hs = load_file(str(prep / "hidden_states" / "hs_0.safetensors"))
+    h = man["hidden_size"]
+    t = len(first["input_ids"])
+    assert hs["hidden_states"].shape == (t, 4, h) and hs["token_ids"].tolist() == first["input_ids"]
+    assert rows[0] == {"input_ids": first["input_ids"], "loss_mask": first["loss_mask"]}
+    aux = from_bytes(first["aux_hidden"], man["dtype"], 3 * h, groups=3).float()
+    assert torch.equal(hs["hidden_states"][:, :3].reshape(t, 3 * h), aux)  # exact, in capture order
+    # the peer applies the target's final norm to slot 3: that gives back our post-norm state
+    w = speculators_prep.final_norm_weight(tiny_target)
+    x = hs["hidden_states"][:, 3].double()
+    eps = json.loads((tiny_target / "config.json").read_text())["rms_norm_eps"]
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()).float()
+    last = collate([first], man["dtype"], h)["last"][0].float()
+    torch.testing.assert_close(normed, last, rtol=2e-3, atol=2e-3)
+    d2t, t2d = load_draft_vocab(capture)
+    assert np.array_equal(np.load(prep / "d2t.npy"), d2t.numpy()) and np.array_equal(np.load(prep / "t2d.npy"), t2d.numpy())
+    assert speculators_prep.vllm_layer_ids(prep) == [j + 1 for j in man["aux_layer_ids"]]
+    assert speculators_prep.write(capture, tiny_target, tmp_path / "prep", 5) == prep  # reused, not rewritten
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PEER_PYTHON.is_file() and os.environ.get("EAGLERAY_REQUIRE_PEERS") != "1",
+                    reason="speculators' environment is not built (`make peers`)")
+def test_speculators_trains_on_our_shards_and_we_decode_its_head(tmp_path, pipeline_run, tiny_target):
+    """speculators' real trainer (its defaults: EAGLE 3.1 norms, lm_head from the target, TTT 3) on our
+    shards for one epoch; its checkpoint imports into our engine with every option it set, and decodes
+    losslessly there."""
+    from infer.generate import EagleGenerator, SpecSettings
+    from trainer.export import import_head
+
+    capture = pipeline_run / "capture"
+    prep = speculators_prep.write(capture, tiny_target, tmp_path / "prep", 4)
+    save = tmp_path / "spec"
+    cmd = [str(PEER_PYTHON), str(ROOT / "tools/peers/speculators_train.py"), str(prep), "--speculator-type", "eagle3",
+           "--verifier-name-or-path", str(tiny_target), "--draft-vocab-size", str(speculators_prep.draft_vocab_size(prep)),
+           "--d2t-path", str(prep / "d2t.npy"), "--t2d-path", str(prep / "t2d.npy"), "--target-layer-ids",
+           *map(str, speculators_prep.vllm_layer_ids(prep)), "--epochs", "1", "--train-data-ratio", str(speculators_prep.train_ratio(prep)),
+           "--total-seq-len", "2048", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+           "--hidden-states-dtype", "float32", "--num-workers", "0", "--logger", "", "--save-path", str(save)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    head = save / "0"
+    _, cfg, aux = import_head(head, 8)
+    assert cfg.norm_before_fc and cfg.norm_before_residual and cfg.norm_output  # its defaults, read as vLLM reads them
+    assert aux == read_manifest(capture)["aux_layer_ids"]
+    gen = EagleGenerator.from_folders(tiny_target, head)
+    gen.eos = set()
+    ids = gen.tokenizer("hello there, how are you", add_special_tokens=False)["input_ids"]
+    plain = EagleGenerator.from_folders(tiny_target, None)
+    want = plain.generate(ids, SpecSettings(mode="vanilla", max_new_tokens=24)).tokens
+    assert gen.generate(ids, SpecSettings(mode="chain", depth=3, max_new_tokens=24)).tokens[:len(want)] == want

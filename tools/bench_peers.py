@@ -1,0 +1,232 @@
+"""Our trainer against the peers' EAGLE-3 trainers on one capture, every head judged by vLLM (issue 49).
+
+    python tools/bench_peers.py --target runs/peers/target --capture runs/peers/data/capture \
+        --peers speculators --epochs 2 --n 40 --out runs/peers/bench
+
+From one capture folder (our shards and draft vocabulary) it writes each peer's input format, trains each
+peer's head in the peer's own environment (.peers/NAME, built by `make peers`), trains ours on the same rows
+(the rows our trainer holds out are left out of the peers' data too), draft vocabulary and epochs, and
+judges every head in vLLM's CPU build (chain, T=0, k=3 and k=7) on the same prompts, and in our engine
+(chain k=3) for every head it imports. Each peer runs twice: its own defaults, and aligned to our TTT
+length, decay, learning rate and optimizer. `--ours NAME:key=value,...` adds runs of our trainer with
+overrides (a recipe switch measured against the rest). A run that fails is reported with its error and the
+rest are still judged. The last line printed is one JSON object (docs/MEASUREMENTS.md, "Against the peers").
+
+Budgets: every run sees the same rows for the same epochs. Tokens per optimizer step are stated per run:
+ours packs length-bucketed micro-batches of `data.max_tokens_per_batch` padded tokens on each worker;
+speculators packs rows into one sequence of `--total-seq-len` tokens (set to our tokens per step).
+`train_s` is the trainer's wall time as a user sees it (start-up and export included), `loop_s` its training
+loop alone as the trainer reports it (ours: report.json; speculators: its epoch progress lines), which
+`tokens_per_s` and `token_ttt_steps_per_s` divide by; `peak_rss_mb` the largest resident memory of its
+process tree, sampled every half second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+from infer.benchmarks import chat_ids, default_prompts, prompt_file  # noqa: E402
+from peers import speculators_prep  # noqa: E402
+from pipeline.yaml_config import load_config  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+
+PEERS_DIR = ROOT / ".peers"
+
+
+def peak_rss_run(cmd: list[str], log: Path, cwd: Path = ROOT) -> tuple[int, float, float]:
+    """Run cmd (output to log) -> (exit code, wall seconds, peak RSS of its process tree in MB)."""
+    import psutil
+
+    peak = [0]
+    with log.open("w") as f:
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
+        done = threading.Event()
+
+        def sample():
+            root = psutil.Process(proc.pid)
+            while not done.wait(0.5):
+                try:
+                    procs = [root, *root.children(recursive=True)]
+                    peak[0] = max(peak[0], sum(p.memory_info().rss for p in procs if p.is_running()))
+                except psutil.Error:
+                    pass
+
+        threading.Thread(target=sample, daemon=True).start()
+        rc = proc.wait()
+        done.set()
+    return rc, time.time() - t0, peak[0] / 2 ** 20
+
+
+def speculators_loop_s(log: Path) -> float | None:
+    """Seconds of speculators' training epochs, from its progress lines `Epoch N 100% ... a/a [ H:MM:SS <`
+    (the first such line of each epoch is training, the second validation)."""
+    seen, total = set(), 0.0
+    for m in re.finditer(r"Epoch (\d+) 100% .*?\[ (\d+):(\d\d):(\d\d) <", log.read_text(errors="replace")):
+        if m.group(1) not in seen:
+            seen.add(m.group(1))
+            total += int(m.group(2)) * 3600 + int(m.group(3)) * 60 + int(m.group(4))
+    return total or None
+
+
+def last_lines(log: Path, n: int = 3) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])[-600:]
+
+
+def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
+    """Our trainer in a process of its own (its own local Ray), the speculators-format export judged."""
+    run_dir = out / name
+    base = [f"target={args.target}", f"data.shards={args.capture}", f"out_dir={run_dir}", f"epochs={args.epochs}",
+            'export_formats=["speculators"]']
+    cfg = load_config(TrainConfig, args.ours_config, base + overrides)
+    cmd = [sys.executable, "-m", "trainer", str(args.ours_config), *base, *overrides]
+    rc, secs, rss = peak_rss_run(cmd, out / f"{name}.log")
+    head = run_dir / "head_speculators"
+    entry = {"kind": "eagleray", "overrides": overrides, "train_s": round(secs, 1), "peak_rss_mb": round(rss),
+             "ttt_steps": cfg.model.ttt_length, "tokens_per_step": cfg.data.max_tokens_per_batch *
+             cfg.scaling.num_workers * cfg.optim.grad_accum, "head": str(head)}
+    entry["status"] = "ok" if rc == 0 and (head / "config.json").is_file() else f"failed: {last_lines(out / f'{name}.log')}"
+    if (run_dir / "report.json").is_file():  # the training loop alone (evals included), without Ray's start
+        entry["loop_s"] = json.loads((run_dir / "report.json").read_text()).get("wall_s")
+    return entry
+
+
+def speculators_runs(args, prep: Path, tokens_per_step: int) -> dict[str, list[str]]:
+    """speculators' defaults (TTT 3, its EAGLE 3.1 norms, Muon, lm_head from the target) and the same
+    trainer aligned to ours where it takes the setting."""
+    ours = load_config(TrainConfig, args.ours_config, [f"target={args.target}", f"data.shards={args.capture}"])
+    common = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(args.target),
+              "--draft-vocab-size", str(speculators_prep.draft_vocab_size(prep)),
+              "--d2t-path", str(prep / "d2t.npy"), "--t2d-path", str(prep / "t2d.npy"),
+              "--target-layer-ids", *[str(i) for i in speculators_prep.vllm_layer_ids(prep)],
+              "--epochs", str(args.epochs), "--train-data-ratio", f"{speculators_prep.train_ratio(prep):.9f}", "--total-seq-len", str(tokens_per_step),
+              "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32",
+              "--num-workers", "0", "--logger", "", "--no-resume-from-checkpoint"]
+    aligned = ["--ttt-steps", str(ours.model.ttt_length), "--ttt-step-loss-decay", str(ours.model.decay),
+               "--lr", str(ours.optim.lr), "--optimizer", "adamw"]
+    return {"speculators": common, "speculators_aligned": common + aligned}
+
+
+def train_speculators(name: str, flags: list[str], prep: Path, out: Path) -> dict:
+    python = PEERS_DIR / "speculators" / "bin" / "python"
+    save = out / name
+    entry = {"kind": "speculators", "flags": flags, "head": None}
+    if not python.is_file():
+        return entry | {"status": "failed: no .peers/speculators (run `make peers`)"}
+    cmd = [str(python), str(ROOT / "tools/peers/speculators_train.py"), str(prep), *flags, "--save-path", str(save)]
+    rc, secs, rss = peak_rss_run(cmd, out / f"{name}.log")
+    epochs = sorted((int(p.name), p) for p in save.glob("[0-9]*") if (p / "config.json").is_file())
+    ttt = int(flags[flags.index("--ttt-steps") + 1]) if "--ttt-steps" in flags else 3
+    entry |= {"train_s": round(secs, 1), "loop_s": speculators_loop_s(out / f"{name}.log"),
+              "peak_rss_mb": round(rss), "ttt_steps": ttt,
+              "tokens_per_step": int(flags[flags.index("--total-seq-len") + 1])}
+    if rc != 0 or not epochs:
+        return entry | {"status": f"failed: {last_lines(out / f'{name}.log')}"}
+    return entry | {"status": "ok", "head": str(epochs[-1][1])}
+
+
+def judge(args, heads: dict[str, Path], prompts: list[list[int]], out: Path) -> dict[str, dict]:
+    """vLLM's chain tau at each k for every head, and our engine's at k=3 where it imports the head."""
+    import check_vllm
+    from infer.generate import EagleGenerator
+
+    res: dict[str, dict] = {name: {} for name in heads}
+    for k in (3, 7):
+        work = out / f"vllm_k{k}"
+        work.mkdir(parents=True, exist_ok=True)
+        runs = check_vllm.run_vllm(args.vllm_python, args.target, heads, prompts, k, args.max_new_tokens, work)
+        for name, r in runs.items():
+            res[name][f"vllm_tau_k{k}"] = check_vllm.tau_from_counts(r["drafts"], r["accepted"])
+            res[name][f"accept_by_pos_k{k}"] = check_vllm.by_pos(r)
+    if not args.no_ours_engine:
+        for name, head in heads.items():
+            try:
+                gen = EagleGenerator.from_folders(args.target, head)
+            except ValueError as err:
+                res[name]["ours_engine_k3"] = f"not imported: {err}"
+                continue
+            r = check_vllm.run_ours(gen, prompts, 3, args.max_new_tokens)
+            res[name]["ours_engine_tau_k3"] = check_vllm.tau_from_counts(r["drafts"], r["accepted"])
+    return res
+
+
+def parse(argv) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--capture", type=Path, required=True, help="a capture folder: shards, manifest, draft vocab")
+    ap.add_argument("--peers", default="speculators", help="comma-separated: speculators ('' for ours only)")
+    ap.add_argument("--ours-config", type=Path, default=ROOT / "configs/trainer/demo.yaml")
+    ap.add_argument("--ours", action="append", default=[], metavar="NAME:key=value,...",
+                    help="another run of our trainer with these overrides (repeatable)")
+    ap.add_argument("--prompts", type=Path, help="MT-Bench-style or {\"prompt\"} JSONL; default: data/ benchmarks")
+    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out (counted)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs/peers/bench")
+    ap.add_argument("--vllm-python", default=sys.executable)
+    ap.add_argument("--no-ours-engine", action="store_true", help="judge in vLLM only")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    args.target, args.capture = args.target.resolve(), args.capture.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(args.target)
+    texts = prompt_file(args.prompts) if args.prompts else default_prompts(None, 4 * args.n)
+    all_prompts = [chat_ids(tok, t) for t in texts]
+    prompts = [p for p in all_prompts if len(p) <= args.max_prompt_tokens][: args.n]
+
+    entries: dict[str, dict] = {"eagleray": train_ours("eagleray", args, [], args.out)}
+    for spec in args.ours:
+        name, _, kv = spec.partition(":")
+        entries[name] = train_ours(name, args, [x for x in kv.split(",") if x], args.out)
+    peers = [p for p in args.peers.split(",") if p]
+    if "speculators" in peers:
+        ours_cfg = load_config(TrainConfig, args.ours_config, [f"target={args.target}", f"data.shards={args.capture}"])
+        prep = speculators_prep.write(args.capture, args.target, args.out / "speculators_data", ours_cfg.data.val_rows)
+        per_step = ours_cfg.data.max_tokens_per_batch * ours_cfg.scaling.num_workers * ours_cfg.optim.grad_accum
+        for name, flags in speculators_runs(args, prep, per_step).items():
+            entries[name] = train_speculators(name, flags, prep, args.out)
+    unknown = [p for p in peers if p != "speculators"]
+    for p in unknown:
+        entries[p] = {"kind": p, "status": "failed: not supported by this tool yet", "head": None}
+
+    tokens = speculators_prep.training_tokens(args.capture, load_config(
+        TrainConfig, args.ours_config, [f"target={args.target}", f"data.shards={args.capture}"]).data.val_rows)
+    heads = {n: Path(e["head"]) for n, e in entries.items() if e["status"] == "ok"}
+    scores = judge(args, heads, prompts, args.out) if heads else {}
+    for name, e in entries.items():
+        e.update(scores.get(name, {}))
+        secs = e.get("loop_s") or e.get("train_s")
+        if secs and e["status"] == "ok":  # per second of the training loop where the trainer says it
+            e["tokens_per_s"] = round(tokens * args.epochs / secs, 1)
+            e["token_ttt_steps_per_s"] = round(tokens * args.epochs * e["ttt_steps"] / secs, 1)
+    result = {"heads": entries, "prompts": str(args.prompts or "data/ (MT-Bench + GSM8K)"), "n": len(prompts),
+              "prompts_left_out_too_long": len(all_prompts) - len([p for p in all_prompts if len(p) <= args.max_prompt_tokens]),
+              "epochs": args.epochs, "training_tokens": tokens}
+    for k in (3, 7):
+        key = f"vllm_tau_k{k}"
+        peer = [e[key] for e in entries.values() if e["kind"] != "eagleray" and key in e]
+        ours = entries["eagleray"].get(key)
+        name = "eagleray_vs_best_peer" + ("" if k == 3 else "_k7")
+        result[name] = round(ours / max(peer), 4) if peer and ours else None
+    (args.out / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
