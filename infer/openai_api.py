@@ -55,13 +55,47 @@ def validation_error_body(errors: list[dict]) -> dict:
     return error_body(f"{param}: {err.get('msg')}", param)
 
 
+def authorized(header: str | None, key: str | None) -> bool:
+    """`Authorization: Bearer KEY` against the deployment's key (None: no key asked)."""
+    import hmac
+
+    if not key:
+        return True
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+class ApiKeyGate:
+    """ASGI middleware for the bearer key (plain ASGI, not Starlette's BaseHTTPMiddleware, so streamed
+    responses and client disconnects pass through untouched)."""
+
+    def __init__(self, app, api):
+        self.app, self.api = app, api
+
+    async def __call__(self, scope, receive, send):
+        key = getattr(self.api.state, "api_key", None)
+        if scope["type"] == "http" and key and not scope["path"].endswith("/health"):
+            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if not authorized(header, key):
+                from fastapi.responses import JSONResponse
+
+                body = error_body("Incorrect or missing API key: send `Authorization: Bearer KEY`", None,
+                                  "invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def make_api():
-    """A FastAPI app whose errors are OpenAI-style JSON bodies."""
+    """A FastAPI app whose errors are OpenAI-style JSON bodies. A replica that sets `api.state.api_key`
+    answers every route but /health with 401 and OpenAI's invalid_api_key body unless the request
+    carries that key as a bearer token (as vLLM's --api-key)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
     api = FastAPI(title="EagleRay")
+    api.add_middleware(ApiKeyGate, api=api)
 
     @api.exception_handler(RequestValidationError)
     async def _invalid(_request, exc: RequestValidationError):

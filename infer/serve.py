@@ -44,6 +44,9 @@ class ServeConfig(StrictModel):
     model_name: str = "eagleray"
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)
+    # Bearer key every /v1 request must carry (or $EAGLERAY_API_KEY); required when host is not a loopback
+    # address. The vllm backend's ingress (Ray Serve LLM) checks none: it is refused off loopback.
+    api_key: str | None = None
     app_name: str = "eagleray"
     route_prefix: str = "/"
     num_replicas: int = Field(1, gt=0)
@@ -67,6 +70,31 @@ class ServeConfig(StrictModel):
             raise ValueError("speculative.sizing applies to the eagleray backend; vllm drafts a fixed chain "
                              "of speculative.depth tokens")
         return self
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def with_api_key(cfg: ServeConfig) -> ServeConfig:
+    """The config with its key resolved (the YAML's, else $EAGLERAY_API_KEY) on the driver, so replicas on
+    other nodes get it; refuses an endpoint off loopback that nobody's key guards."""
+    key = cfg.api_key or os.environ.get("EAGLERAY_API_KEY") or None
+    if not is_loopback(cfg.host):
+        if cfg.backend == "vllm":
+            raise ValueError(f"host: {cfg.host} is not a loopback address and the vllm backend's ingress checks no "
+                             f"API key; serve it on 127.0.0.1 behind your own gateway, or use backend: eagleray")
+        if not key:
+            raise ValueError(f"api_key: required when host is {cfg.host} (not a loopback address); set api_key "
+                             f"or EAGLERAY_API_KEY")
+    if key and cfg.backend == "vllm":
+        raise ValueError("api_key: the vllm backend's ingress (Ray Serve LLM) checks no API key")
+    return cfg.model_copy(update={"api_key": key})
 
 
 def _load_generator(cfg: ServeConfig):
@@ -94,6 +122,7 @@ class EagleServer:
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
+        api.state.api_key = cfg.api_key  # read by the app's middleware (infer/openai_api.py make_api)
         # All torch work of the replica runs on this one thread, loading included: CPU torch ops run
         # from a second thread after the first has used the OpenMP pool measured 2-3x slower here.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="eagleray-decode")
@@ -242,6 +271,7 @@ def start(cfg: ServeConfig, blocking: bool = False):
 
     from pipeline.cluster import verbose
 
+    cfg = with_api_key(cfg)
     ensure_ray(cfg.ray_address)
     if not verbose():  # Serve's start-up INFO lines on the driver (proxy, controller, app deployed)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -275,7 +305,10 @@ def stop() -> None:
 def main(argv: list[str] | None = None) -> None:
     args = config_arguments("python -m infer.serve", __doc__).parse_args(argv)
     cfg = load_or_exit(ServeConfig, args.config, args.overrides)
-    url = start(cfg)
+    try:
+        url = start(cfg)
+    except ValueError as err:
+        raise SystemExit(f"config error: {args.config}: {err}") from None
     print(f"serving {cfg.model_name} at {url}/v1 (Ctrl-C to stop)", flush=True)
     try:
         while True:

@@ -84,3 +84,17 @@ def test_speculators_trains_on_our_shards_and_we_decode_its_head(tmp_path, pipel
     plain = EagleGenerator.from_folders(tiny_target, None)
     want = plain.generate(ids, SpecSettings(mode="vanilla", max_new_tokens=24)).tokens
     assert gen.generate(ids, SpecSettings(mode="chain", depth=3, max_new_tokens=24)).tokens[:len(want)] == want
+
+
+def test_speculators_loop_seconds_from_its_progress_lines(tmp_path):
+    """Training epochs only: each epoch's first 100% line is training, the second its validation."""
+    import bench_peers
+
+    log = tmp_path / "s.log"
+    log.write_text("Epoch 0 100% ━━━━ 16/16  [ 0:01:06 < 0:00:00 , 3 it/s ]\n"
+                   "Epoch 0 100% ━━━━ 2/2  [ 0:00:09 < 0:00:00 , 9 it/s ]\n"
+                   "Epoch 1  50% ━━ 8/16  [ 0:00:30 < 0:00:30 , 3 it/s ]\n"
+                   "Epoch 1 100% ━━━━ 16/16  [ 1:00:01 < 0:00:00 , 3 it/s ]\n")
+    assert bench_peers.speculators_loop_s(log) == 66 + 3601
+    log.write_text("no progress lines\n")
+    assert bench_peers.speculators_loop_s(log) is None

@@ -14,6 +14,8 @@ from conftest import _free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-eagle"
+KEY = "test-key-1"  # the whole module runs against a keyed endpoint (ServeConfig.api_key)
+AUTH = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +26,15 @@ def server(ray_cluster, tiny_target, tiny_head):
 
     cfg = ServeConfig(target=tiny_target, head=tiny_head, model_name=MODEL, port=_free_port(),
                       num_cpus_per_replica=0, threads_per_replica=1, max_tokens_limit=64, request_timeout_s=60,
-                      max_ongoing_requests=80, speculative={"sizing": "cost"})  # as configs/serve/*.yaml
+                      max_ongoing_requests=80, speculative={"sizing": "cost"},  # as configs/serve/*.yaml
+                      api_key=KEY)
     url = start(cfg)
     yield url
     serve.shutdown()
 
 
 def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def greedy_text(target, messages, n):
@@ -42,8 +45,8 @@ def greedy_text(target, messages, n):
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def post(url, path, body: bytes):
-    req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+def post(url, path, body: bytes, headers=AUTH):
+    req = urllib.request.Request(url + path, data=body, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -73,7 +76,7 @@ def test_models_health_and_greedy_chat(server, tiny_target):
 
 def test_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 8, "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(server + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(server + "/v1/chat/completions", data=body, headers=AUTH)
     with urllib.request.urlopen(req, timeout=60) as r:
         lines = [x.decode().strip() for x in r.read().splitlines() if x.strip()]
     assert all(x.startswith("data: ") for x in lines) and lines[-1] == "data: [DONE]"
@@ -123,3 +126,35 @@ def test_cancelled_stream_frees_the_replica(server):
     t0 = time.time()
     r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, temperature=0)
     assert r.choices[0].message.content is not None and time.time() - t0 < 60
+
+
+def test_api_key_required(server):
+    """As vLLM's --api-key: no key or a wrong one gets 401 with OpenAI's invalid_api_key body; /health needs none."""
+    body = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 4}).encode()
+    for headers in ({"Content-Type": "application/json"},
+                    {"Content-Type": "application/json", "Authorization": "Bearer wrong"},
+                    {"Content-Type": "application/json", "Authorization": KEY}):  # no scheme
+        status, err = post(server, "/v1/chat/completions", body, headers)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key", (headers, status, err)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    with urllib.request.urlopen(server + "/health", timeout=30) as r:
+        assert r.status == 200
+    assert client(server).models.list().data[0].id == MODEL
+
+
+def test_api_key_rules(monkeypatch, tiny_target):
+    from infer.serve import ServeConfig, is_loopback, with_api_key
+
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "10.0.0.7", "example.org"]))
+    monkeypatch.delenv("EAGLERAY_API_KEY", raising=False)
+    open_cfg = ServeConfig(target=tiny_target, host="0.0.0.0")
+    with pytest.raises(ValueError, match="api_key: required when host is 0.0.0.0"):
+        with_api_key(open_cfg)
+    assert with_api_key(ServeConfig(target=tiny_target)).api_key is None  # loopback: a key is optional
+    monkeypatch.setenv("EAGLERAY_API_KEY", "from-env")
+    assert with_api_key(open_cfg).api_key == "from-env"
+    assert with_api_key(open_cfg.model_copy(update={"api_key": "from-yaml"})).api_key == "from-yaml"
+    with pytest.raises(ValueError, match="vllm backend"):
+        with_api_key(ServeConfig(target=tiny_target, host="0.0.0.0", backend="vllm"))

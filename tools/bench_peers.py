@@ -13,8 +13,9 @@ overrides (a recipe switch measured against the rest). A run that fails is repor
 rest are still judged. The last line printed is one JSON object (docs/MEASUREMENTS.md, "Against the peers").
 
 Budgets: every run sees the same rows for the same epochs. Tokens per optimizer step are stated per run:
-ours packs length-bucketed micro-batches of `data.max_tokens_per_batch` padded tokens on each worker;
-speculators packs rows into one sequence of `--total-seq-len` tokens (set to our tokens per step).
+ours packs length-bucketed micro-batches of at most `data.max_tokens_per_batch` padded tokens and
+`data.max_rows_per_batch` rows on each worker; speculators packs rows into one sequence of `--total-seq-len`
+tokens, set to the real tokens our run put in a step on average, so both take about as many steps.
 `train_s` is the trainer's wall time as a user sees it (start-up and export included), `loop_s` its training
 loop alone as the trainer reports it (ours: report.json; speculators: its epoch progress lines), which
 `tokens_per_s` and `token_ttt_steps_per_s` divide by; `peak_rss_mb` the largest resident memory of its
@@ -94,11 +95,22 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
     head = run_dir / "head_speculators"
     entry = {"kind": "eagleray", "overrides": overrides, "train_s": round(secs, 1), "peak_rss_mb": round(rss),
              "ttt_steps": cfg.model.ttt_length, "tokens_per_step": cfg.data.max_tokens_per_batch *
-             cfg.scaling.num_workers * cfg.optim.grad_accum, "head": str(head)}
+             cfg.scaling.num_workers * cfg.optim.grad_accum, "head": str(head)}  # padded tokens, at most
     entry["status"] = "ok" if rc == 0 and (head / "config.json").is_file() else f"failed: {last_lines(out / f'{name}.log')}"
     if (run_dir / "report.json").is_file():  # the training loop alone (evals included), without Ray's start
-        entry["loop_s"] = json.loads((run_dir / "report.json").read_text()).get("wall_s")
+        report = json.loads((run_dir / "report.json").read_text())
+        entry["loop_s"], entry["steps"] = report.get("wall_s"), report.get("steps")
     return entry
+
+
+def tokens_per_step(ours: dict, capture: Path, n_val: int, epochs: int) -> int:
+    """The tokens our run put in one optimizer step on average (its steps over the same rows and epochs):
+    speculators packs one sequence of this many tokens a step, so both take about as many steps."""
+    if ours.get("steps"):  # never below the longest row (a longer row would not fit one packed sequence)
+        from pipeline.shards import read_manifest
+        longest = read_manifest(capture)["max_length"]
+        return max(longest, round(speculators_prep.training_tokens(capture, n_val) * epochs / ours["steps"]))
+    return ours["tokens_per_step"]
 
 
 def speculators_runs(args, prep: Path, tokens_per_step: int) -> dict[str, list[str]]:
@@ -165,6 +177,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--capture", type=Path, required=True, help="a capture folder: shards, manifest, draft vocab")
     ap.add_argument("--peers", default="speculators", help="comma-separated: speculators ('' for ours only)")
+    ap.add_argument("--peer-runs", choices=["both", "defaults", "aligned"], default="both",
+                    help="each peer with its own defaults, aligned to ours, or both (the default)")
     ap.add_argument("--ours-config", type=Path, default=ROOT / "configs/trainer/demo.yaml")
     ap.add_argument("--ours", action="append", default=[], metavar="NAME:key=value,...",
                     help="another run of our trainer with these overrides (repeatable)")
@@ -197,9 +211,10 @@ def main(argv=None) -> dict:
     if "speculators" in peers:
         ours_cfg = load_config(TrainConfig, args.ours_config, [f"target={args.target}", f"data.shards={args.capture}"])
         prep = speculators_prep.write(args.capture, args.target, args.out / "speculators_data", ours_cfg.data.val_rows)
-        per_step = ours_cfg.data.max_tokens_per_batch * ours_cfg.scaling.num_workers * ours_cfg.optim.grad_accum
+        per_step = tokens_per_step(entries["eagleray"], args.capture, ours_cfg.data.val_rows, args.epochs)
         for name, flags in speculators_runs(args, prep, per_step).items():
-            entries[name] = train_speculators(name, flags, prep, args.out)
+            if args.peer_runs == "both" or name.endswith("_aligned") == (args.peer_runs == "aligned"):
+                entries[name] = train_speculators(name, flags, prep, args.out)
     unknown = [p for p in peers if p != "speculators"]
     for p in unknown:
         entries[p] = {"kind": p, "status": "failed: not supported by this tool yet", "head": None}
