@@ -116,7 +116,7 @@ def tokens_per_step(ours: dict, capture: Path, n_val: int, epochs: int) -> int:
 def speculators_runs(args, prep: Path, tokens_per_step: int) -> dict[str, list[str]]:
     """speculators' defaults (TTT 3, its EAGLE 3.1 norms, Muon, lm_head from the target) and the same
     trainer aligned to ours where it takes the setting."""
-    ours = load_config(TrainConfig, args.ours_config, [f"target={args.target}", f"data.shards={args.capture}"])
+    ours = args.ours_cfg
     common = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(args.target),
               "--draft-vocab-size", str(speculators_prep.draft_vocab_size(prep)),
               "--d2t-path", str(prep / "d2t.npy"), "--t2d-path", str(prep / "t2d.npy"),
@@ -203,13 +203,14 @@ def main(argv=None) -> dict:
     all_prompts = [chat_ids(tok, t) for t in texts]
     prompts = [p for p in all_prompts if len(p) <= args.max_prompt_tokens][: args.n]
 
+    ours_cfg = args.ours_cfg = load_config(TrainConfig, args.ours_config,
+                                           [f"target={args.target}", f"data.shards={args.capture}"])
     entries: dict[str, dict] = {"eagleray": train_ours("eagleray", args, [], args.out)}
     for spec in args.ours:
         name, _, kv = spec.partition(":")
         entries[name] = train_ours(name, args, [x for x in kv.split(",") if x], args.out)
     peers = [p for p in args.peers.split(",") if p]
     if "speculators" in peers:
-        ours_cfg = load_config(TrainConfig, args.ours_config, [f"target={args.target}", f"data.shards={args.capture}"])
         prep = speculators_prep.write(args.capture, args.target, args.out / "speculators_data", ours_cfg.data.val_rows)
         per_step = tokens_per_step(entries["eagleray"], args.capture, ours_cfg.data.val_rows, args.epochs)
         for name, flags in speculators_runs(args, prep, per_step).items():
@@ -219,8 +220,7 @@ def main(argv=None) -> dict:
     for p in unknown:
         entries[p] = {"kind": p, "status": "failed: not supported by this tool yet", "head": None}
 
-    tokens = speculators_prep.training_tokens(args.capture, load_config(
-        TrainConfig, args.ours_config, [f"target={args.target}", f"data.shards={args.capture}"]).data.val_rows)
+    tokens = speculators_prep.training_tokens(args.capture, ours_cfg.data.val_rows)
     heads = {n: Path(e["head"]) for n, e in entries.items() if e["status"] == "ok"}
     scores = judge(args, heads, prompts, args.out) if heads else {}
     for name, e in entries.items():

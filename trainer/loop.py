@@ -20,8 +20,8 @@ from trainer.cost import step_flops
 from trainer.data import Alone, EpochCache, MicroBatches, RankPace, batch_cost, collate
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec, cpu_has_native_bf16
-from trainer.head import Eagle3Head, head_config_from_target
-from trainer.warm_start import target_lm_rows, warm_start_state
+from trainer.head import head_config_from_target
+from trainer.warm_start import starting_head
 from trainer.target_parts import load_target_parts
 from trainer.ttt import StepSums, TTTObjective, target_distribution, target_rows
 
@@ -65,19 +65,7 @@ class HeadTrainer:
         self.aux_layer_ids = aux_layer_ids
         hcfg = head_config_from_target(self.spec.config, len(d2t), cfg.model.intermediate_size,
                                        **cfg.model.head_options)
-        head = Eagle3Head(hcfg)
-        if cfg.model.lm_head_init == "target":
-            head.lm_head.weight.data.copy_(target_lm_rows(parts.lm_weight, d2t, hcfg.hidden_size))
-        if cfg.model.init_from is not None:
-            from trainer.export import import_head
-            state, old, _ = import_head(cfg.model.init_from, self.spec.num_layers)
-            if old.options != hcfg.options:
-                raise ValueError(f"model.init_from: that head was trained with {old.options}; this run's model "
-                                 f"options are {hcfg.options}")
-            state = warm_start_state(state, hcfg, d2t, parts.lm_weight)
-            head.load_state_dict(state, strict=False)
-        head.set_vocab(d2t, t2d)
-        head.lm_head.weight.requires_grad_(not cfg.model.freeze_lm_head)
+        head = starting_head(cfg.model, hcfg, d2t, t2d, parts.lm_weight, self.spec.num_layers)
         self.hcfg = hcfg
         self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
         if (self.compute_dtype == torch.bfloat16 and not cfg.scaling.use_gpu and self.rank == 0

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from trainer.head import HeadConfig
+from trainer.head import Eagle3Head, HeadConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +67,22 @@ def warm_start_state(state: dict, cfg: HeadConfig, d2t: torch.Tensor, target_lm:
     out = dict(state, **{"lm_head.weight": rows, "d2t": d2t.clone()})
     out.pop("t2d", None)
     return out
+
+
+def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor, target_lm: torch.Tensor,
+                  num_layers: int) -> Eagle3Head:
+    """The head a run starts from (trainer config's `model` section): fresh, its lm_head from the target's
+    rows (`lm_head_init: target`) or another head's weights (`init_from`); lm_head frozen on request."""
+    head = Eagle3Head(hcfg)
+    if model.lm_head_init == "target":
+        head.lm_head.weight.data.copy_(target_lm_rows(target_lm, d2t, hcfg.hidden_size))
+    if model.init_from is not None:
+        from trainer.export import import_head
+        state, old, _ = import_head(model.init_from, num_layers)
+        if old.options != hcfg.options:
+            raise ValueError(f"model.init_from: that head was trained with {old.options}; this run's model "
+                             f"options are {hcfg.options}")
+        head.load_state_dict(warm_start_state(state, hcfg, d2t, target_lm), strict=False)
+    head.set_vocab(d2t, t2d)
+    head.lm_head.weight.requires_grad_(not model.freeze_lm_head)
+    return head
