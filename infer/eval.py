@@ -45,6 +45,7 @@ class EvalConfig(StrictModel):
     cpus_per_actor: float = Field(1, gt=0)
     gpus_per_actor: float = Field(0, ge=0)
     threads_per_actor: int | None = None
+    resources_per_actor: dict[str, float] = {}  # custom Ray resources, e.g. {eagleray_worker: 1}
     ray_address: str | None = None
 
 
@@ -109,7 +110,8 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     print(f"eval: {ensure_ray(cfg.ray_address)}", flush=True)
     items = load_items(cfg)
-    worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor)(EvalWorker)
+    worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor,
+                        resources=cfg.resources_per_actor)(EvalWorker)
     actors = [worker.remote(str(cfg.target.resolve()), str(cfg.head.resolve()), cfg.threads_per_actor,
                             cfg.gpus_per_actor > 0, cfg.dtype) for _ in range(cfg.num_actors)]
     pool = ActorPool(actors)

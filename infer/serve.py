@@ -53,6 +53,9 @@ class ServeConfig(StrictModel):
     max_ongoing_requests: int = Field(32, gt=0)
     num_cpus_per_replica: float = Field(1, ge=0)
     num_gpus_per_replica: float = Field(0, ge=0)
+    resources_per_replica: dict[str, float] = {}  # custom Ray resources, e.g. {eagleray_worker: 1}
+    # Serve's HTTP proxies: one on every node (a load balancer in front), or the head node only
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
     threads_per_replica: int | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"  # eagleray backend: target + head dtype
     max_tokens_limit: int = Field(512, gt=0)
@@ -253,7 +256,8 @@ def build_application(cfg: ServeConfig):
     cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": cfg.head.resolve() if cfg.head else None})
     return EagleServer.options(
         num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.num_cpus_per_replica, "num_gpus": cfg.num_gpus_per_replica},
+        ray_actor_options={"num_cpus": cfg.num_cpus_per_replica, "num_gpus": cfg.num_gpus_per_replica,
+                           "resources": cfg.resources_per_replica},
     ).bind(cfg)
 
 
@@ -275,7 +279,8 @@ def start(cfg: ServeConfig, blocking: bool = False):
     ensure_ray(cfg.ray_address)
     if not verbose():  # Serve's start-up INFO lines on the driver (proxy, controller, app deployed)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s + 30})
+    serve.start(proxy_location=cfg.proxy_location,
+                http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s + 30})
     if cfg.backend == "vllm":
         from infer.serve_vllm import build_vllm_application
 
@@ -303,12 +308,19 @@ def stop() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = config_arguments("python -m infer.serve", __doc__).parse_args(argv)
+    ap = config_arguments("python -m infer.serve", __doc__)
+    ap.add_argument("--detach", action="store_true",
+                    help="deploy onto the cluster and exit (a `ray job submit` job that succeeds); the app keeps "
+                         "serving until `serve shutdown`")
+    args = ap.parse_args(argv)
     cfg = load_or_exit(ServeConfig, args.config, args.overrides)
     try:
         url = start(cfg)
     except ValueError as err:
         raise SystemExit(f"config error: {args.config}: {err}") from None
+    if args.detach:
+        print(f"deployed {cfg.model_name} at {url}/v1 (stop: serve shutdown)", flush=True)
+        return
     print(f"serving {cfg.model_name} at {url}/v1 (Ctrl-C to stop)", flush=True)
     try:
         while True:

@@ -173,7 +173,7 @@ def write_manifest(out_dir: Path, ranges, signature: dict, target: Path, provena
         path = out_dir / shard_name(index)
         meta = shard_meta(path)
         shards.append({"file": path.name, "rows": meta["rows"], "tokens": meta["tokens"],
-                       "bytes": path.stat().st_size})
+                       "bytes": path.stat().st_size, "rows_digest": meta.get("input_digest")})
     toks = sum(s["tokens"] for s in shards)
     h, dtype = signature["hidden_size"], signature["dtype"]
     width = bytes_per_token(dtype, 3 * h, 3) + bytes_per_token(dtype, h)
@@ -200,5 +200,6 @@ def capture_dataset(cfg: Capture, target: Path, tokens_path: Path, ranges, signa
         CaptureWorker, batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
         num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
+        resources=cfg.resources_per_actor or None,
         fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
                                    out_dir=str(out_dir) if out_dir else None, signature=signature, mode=mode))

@@ -84,6 +84,8 @@ class Regenerate(StrictModel):
     num_cpus_per_actor: float = Field(1, ge=0)
     num_gpus_per_actor: float = Field(0, ge=0)
     threads_per_actor: int | None = None  # torch threads of an actor (either engine); None: Ray's = num_cpus
+    resources_per_actor: dict[str, float] = {}  # custom Ray resources, e.g. {eagleray_worker: 0.5}: actors
+    #                                             only on nodes that offer them (docs/USAGE.md "On a cluster")
     on_error: Literal["keep_original", "drop"] = "keep_original"
 
 
@@ -115,6 +117,7 @@ class Capture(StrictModel):
     model_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     compression_level: int = Field(3, ge=1, le=22)
     threads_per_actor: int | None = None
+    resources_per_actor: dict[str, float] = {}  # as regenerate's
 
 
 class Vocab(StrictModel):

@@ -270,6 +270,7 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
                 ENGINES[cfg.engine], batch_size=1, batch_format="numpy",
                 compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
                 num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
+                resources=cfg.resources_per_actor or None,
                 fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts}).materialize()
     sources = {}
     with open(records, encoding="utf-8") as f:

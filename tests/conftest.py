@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,34 +26,21 @@ def data_dir() -> Path:
     return REPO / "data"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_head() -> dict:
-    """`ray start --head` on free ports (2 CPUs, 127.0.0.1, job server on), in a temp dir of its own that
-    marks its processes: `stop_head` then stops this cluster only (`ray stop` would kill every Ray on the
-    machine, a CI run beside us included)."""
+    """A single-node Ray head (`ray start --head`, 2 CPUs, 127.0.0.1, job server on, free ports) in a temp
+    dir of its own that marks its processes (tools/local_cluster.py, the one owner of `ray start`):
+    `stop_head` then stops this cluster only (`ray stop` would kill every Ray on the machine, a CI run
+    beside us included)."""
     import tempfile
+
+    from local_cluster import Node, head_markers, start_node
 
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    port, dash, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
     temp_dir = tempfile.mkdtemp(prefix="er-ray-", dir="/tmp")
-    subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
-                    "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                    "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-                    # the job agent's HTTP port (52365) and the client server's (10001) are fixed by default:
-                    # another Ray on this machine (a training run beside the tests) holds them, and then
-                    # `ray job submit` finds no agent
-                    f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}"],
-                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    gcs = f"127.0.0.1:{port}"
-    # The client server names no temp dir, only the GCS address, and `ray start` leaves it to init.
-    return {"address": gcs, "dashboard": f"http://127.0.0.1:{dash}", "env": env,
-            "markers": (temp_dir, f"--address={gcs}")}
+    head = start_node(Node("head", temp_dir, num_cpus=2, head=True), env=env)
+    return {"address": head["address"], "dashboard": head["dashboard"], "env": env,
+            "markers": head_markers(temp_dir, head["address"])}
 
 
 @pytest.fixture(scope="session")
@@ -71,31 +57,10 @@ def ray_cluster():
 
 
 def stop_head(markers: tuple[str, ...]) -> list[str]:
-    """Stop every process whose command line names a marker, and their children; returns their command
-    lines."""
-    import psutil
+    """Stop every process whose command line names a marker, and their children; -> their command lines."""
+    from local_cluster import stop_processes
 
-    procs = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(m in a for a in (p.info["cmdline"] or []) for m in markers):
-                procs.append(p)
-                # Agents and workers rename themselves ("ray::DashboardAgent"): take the whole tree.
-                procs += p.children(recursive=True)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    procs = list({p.pid: p for p in procs}.values())
-    names = []
-    for p in procs:
-        try:
-            names.append(" ".join(p.cmdline()))
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=3)  # some ignore SIGTERM for 10 s+
-    for p in alive:
-        p.kill()
-    return names
+    return stop_processes(markers)
 
 
 @pytest.fixture(scope="session")

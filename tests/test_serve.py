@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import _free_port
+from local_cluster import free_port as _free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-eagle"

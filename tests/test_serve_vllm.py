@@ -5,7 +5,7 @@ import time
 import openai
 import pytest
 
-from conftest import _free_port
+from local_cluster import free_port as _free_port
 from test_serve import MSGS, greedy_text
 
 pytestmark = pytest.mark.slow

@@ -119,7 +119,8 @@ def tiny_head(vocab=40, draft=24):
     return head
 
 
-def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay):
+def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay, loss_mean="padded",
+                   off_vocab="drop"):
     """Position by position, step by step: each query's keys listed explicitly."""
     b, t, _ = emb.shape
     attn = head.midlayer.self_attn
@@ -141,15 +142,18 @@ def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay)
                 out[bi, :, i: i + 1] = torch.softmax(sc, -1) @ vv
         x = head.finish(h, out)
         logits = head.logits(x)
-        loss_s = 0.0
+        loss_s, counted = 0.0, 0
         for bi in range(b):
             for i in range(t):
                 j = i + 1 + s
-                if j >= t or i + 2 + s >= t or not loss_mask[bi, i + 2 + s] or not head.t2d[target_am[bi, j]]:
+                if j >= t or i + 2 + s >= t or not loss_mask[bi, i + 2 + s]:
+                    continue
+                counted += 1
+                if off_vocab == "drop" and not head.t2d[target_am[bi, j]]:
                     continue
                 lp = torch.log_softmax(logits[bi, i], -1)
                 loss_s = loss_s - (target_p[bi, j] * lp).sum()
-        total = total + decay ** s * loss_s / (b * t)
+        total = total + decay ** s * loss_s / (b * t if loss_mean == "padded" else max(1, counted))
         h = x
     return total
 
@@ -178,6 +182,24 @@ def test_batched_loss_equals_naive_loop():
     lg, w = torch.randn(5, 24, dtype=torch.float64), torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
     pr = torch.softmax(torch.randn(5, 24, dtype=torch.float64), -1)
     assert torch.isclose(step_loss(lg, pr, w, 7), -(w * (pr * torch.log_softmax(lg, -1)).sum(-1)).sum() / 7)
+
+
+@pytest.mark.parametrize("loss_mean,off_vocab", [("counted", "drop"), ("padded", "keep"), ("counted", "keep")])
+def test_loss_switches_equal_naive_loop(loss_mean, off_vocab):
+    """model.loss_mean / model.off_vocab against the position-by-position loss; each changes the loss."""
+    head = tiny_head()
+    torch.manual_seed(1)
+    b, t, steps = 2, 9, 3
+    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
+    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
+    p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 0, 0, 0]])
+    assert not head.t2d[am[mask.bool()]].all()  # some counted targets lie outside the draft vocab
+    targets = compact_targets(tlogits, mask, head.t2d)
+    got = TTTObjective(head, steps, 0.8, loss_mean=loss_mean, off_vocab=off_vocab)(aux, emb, *targets, mask)
+    want = naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8, loss_mean, off_vocab)
+    base = TTTObjective(head, steps, 0.8)(aux, emb, *targets, mask)["loss"].item()
+    assert abs(got["loss"].item() - want.item()) < 1e-6 and abs(got["loss"].item() - base) > 1e-3
 
 
 def test_target_rows_cover_exactly_what_steps_read():

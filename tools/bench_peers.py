@@ -84,6 +84,11 @@ def last_lines(log: Path, n: int = 3) -> str:
     return " | ".join(lines[-n:])[-600:]
 
 
+def split_overrides(kv: str) -> list[str]:
+    """`a=1,b=[0.9,0.999]` -> ["a=1", "b=[0.9,0.999]"]: commas inside brackets belong to the value."""
+    return [x for x in re.split(r",(?![^\[]*\])", kv) if x]
+
+
 def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
     """Our trainer in a process of its own (its own local Ray), the speculators-format export judged."""
     run_dir = out / name
@@ -208,7 +213,7 @@ def main(argv=None) -> dict:
     entries: dict[str, dict] = {"eagleray": train_ours("eagleray", args, [], args.out)}
     for spec in args.ours:
         name, _, kv = spec.partition(":")
-        entries[name] = train_ours(name, args, [x for x in kv.split(",") if x], args.out)
+        entries[name] = train_ours(name, args, split_overrides(kv), args.out)
     peers = [p for p in args.peers.split(",") if p]
     if "speculators" in peers:
         prep = speculators_prep.write(args.capture, args.target, args.out / "speculators_data", ours_cfg.data.val_rows)

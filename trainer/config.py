@@ -70,6 +70,11 @@ class Model(StrictModel):
     # (speculators' recipe, which also freezes them: freeze_lm_head).
     lm_head_init: Literal["random", "target"] = "random"
     freeze_lm_head: bool = False
+    # The loss (trainer/ttt.py TTTObjective): each step's sum over every padded position of the batch, or
+    # the mean over the positions it counts; positions whose target argmax is outside the draft vocab
+    # dropped, or kept with the target's distribution over the draft vocab.
+    loss_mean: Literal["padded", "counted"] = "padded"
+    off_vocab: Literal["drop", "keep"] = "drop"
 
     @property
     def head_options(self) -> dict[str, bool]:
@@ -91,6 +96,12 @@ class Scaling(StrictModel):
     cpus_per_worker: float = Field(1, gt=0)
     threads_per_worker: int | None = None
     keep_freed_memory: bool = True  # CPU workers keep freed memory for the next step (pipeline/cluster.py)
+    # custom Ray resources per worker (e.g. {eagleray_worker: 1}: one worker per node that offers one) and
+    # Ray Train's placement of the workers (PACK, SPREAD over nodes, STRICT_SPREAD: one per node)
+    resources_per_worker: dict[str, float] = {}
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # a worker or node lost: restart the worker group from the latest checkpoint this many times
+    max_failures: int = Field(0, ge=-1)
 
 
 class DeepSpeedCfg(StrictModel):

@@ -134,13 +134,15 @@ def fit(cfg: TrainConfig, dataset, loop_config: dict, live: bool = False) -> Non
     TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
+                                                           **cfg.scaling.resources_per_worker},
+                                     placement_strategy=cfg.scaling.placement_strategy),
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
         datasets={"train": dataset},
         dataset_config=DataConfig(execution_options=options),
         run_config=RunConfig(name=RUN_NAME, storage_path=str(cfg.out_dir / "ray"),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-                             failure_config=FailureConfig(max_failures=0),
+                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
                              worker_runtime_env={"env_vars": env} if env else None)).fit()
 
 

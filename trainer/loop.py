@@ -75,7 +75,8 @@ class HeadTrainer:
         self.target = parts.to(self.device, self.compute_dtype, bf16_hidden=storage_dtype == "bf16")
         self.t2d = t2d.to(self.device)
         m = cfg.model
-        self.engine = self._engine(TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile))
+        self.engine = self._engine(TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile,
+                                                m.loss_mean, m.off_vocab))
         self.head = self.engine.module.head
         inv = self.head.rotary.inv_freq
         assert inv.dtype == torch.float32, f"head RoPE inv_freq is {inv.dtype} after engine init, must stay fp32"
@@ -241,6 +242,9 @@ class TrainLoop:
             with ckpt.as_directory() as d:
                 self.run.engine.load_checkpoint(d, tag=CKPT_TAG)
                 self.state = json.loads((Path(d) / STATE_FILE).read_text())
+            if self.run.rank == 0:  # a record of every restore (a worker or node lost, a rerun)
+                with open(Path(cfg.out_dir) / "resumes.jsonl", "a") as f:
+                    f.write(json.dumps({"step": self.state["global_step"], "time": round(time.time(), 1)}) + "\n")
         self.writer = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard")) if self.run.rank == 0 else None
         self.shard = ray.train.get_dataset_shard("train")
         self.window = MetricWindow(cfg.model.ttt_length)

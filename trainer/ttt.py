@@ -166,9 +166,14 @@ class TTTObjective(nn.Module):
     inside the sequence): prompt, padding and the tail past the sequence cost no vocab-sized work."""
 
     def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
-                 compile: bool = False):
+                 compile: bool = False, loss_mean: str = "padded", off_vocab: str = "drop"):
+        """loss_mean: "padded" divides each step's loss sum by every position of the batch (padding and
+        prompt included), "counted" by the positions that step counts (each step a mean, every batch the
+        same weight: speculators'). off_vocab: where the target's argmax is outside the draft vocabulary,
+        "drop" the position from the loss, or "keep" it (the target's distribution over the draft vocab)."""
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
+        self.loss_mean, self.keep_off_vocab = loss_mean, off_vocab == "keep"
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self.step_loss = step_loss
         if compile:
@@ -196,8 +201,10 @@ class TTTObjective(nn.Module):
             rows = shift_left(target_row, 1 + s, fill=-1).flatten()[sel]
             logits = self.head.logits(x.flatten(0, 1)[sel])
             tgt_am = target_argmax[rows]
-            weight = self.head.t2d[tgt_am].to(logits.dtype)
-            loss = self.step_loss(logits, target_p[rows], weight, positions)
+            weight = (torch.ones_like(tgt_am, dtype=logits.dtype) if self.keep_off_vocab
+                      else self.head.t2d[tgt_am].to(logits.dtype))
+            loss = self.step_loss(logits, target_p[rows], weight,
+                                  positions if self.loss_mean == "padded" else max(1, len(sel)))
             total = total + self.weights[s] * loss
             losses.append(loss.detach())
             with torch.no_grad():
