@@ -43,7 +43,7 @@ demo: $(STAMP)
 	@$(PY) -m pipeline configs/pipeline/demo.yaml
 	@rm -rf $(DEMO)/head
 	@$(PY) -m trainer configs/trainer/demo.yaml
-	@$(PY) tools/demo_decode.py --target $(DEMO)/target --head $(DEMO)/head/head_sglang --out $(DEMO)/decode.json
+	@$(PY) tools/demo_decode.py --target $(DEMO)/target --head $(DEMO)/head/head_speculators --out $(DEMO)/decode.json
 	@$(PY) -m infer.eval configs/eval/demo.yaml
 	@$(PY) tools/demo_serve.py configs/serve/demo.yaml --out $(DEMO)/serve.json
 	@$(PY) tools/demo_summary.py --demo $(DEMO) --seconds $$(( $$(date +%s) - $$(cat $(DEMO)/.started) ))

@@ -1,6 +1,6 @@
 """Speculative generation with an EAGLE-3 head over any Hugging Face causal LM (batch 1).
 
-    gen = EagleGenerator.from_folders("runs/demo/target", "runs/demo/head/head_sglang")
+    gen = EagleGenerator.from_folders("runs/demo/target", "runs/demo/head/head_speculators")
     out = gen.generate(prompt_ids, SpecSettings(mode="tree", top_k=4, depth=5, total_tokens=16))
     out.tokens, out.stats.tau, out.stats.accept_by_depth
 

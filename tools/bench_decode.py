@@ -1,6 +1,6 @@
 """Decoding benchmark, batch 1, T=0, all methods side by side on the same prompts in one process.
 
-    python tools/bench_decode.py [--target runs/demo/target] [--head runs/demo/head/head_sglang]
+    python tools/bench_decode.py [--target runs/demo/target] [--head runs/demo/head/head_speculators]
         [--assistant runs/demo/assistant] [--prompts FILE.jsonl] [--n 40] [--max-new-tokens 96]
         [--top-k 4] [--depth 5] [--total-tokens 16]
 
@@ -64,7 +64,7 @@ def fused_verify(gen: EagleGenerator, ids: list[int], s: SpecSettings):
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
-    ap.add_argument("--head", type=Path, default=Path("runs/demo/head/head_sglang"))
+    ap.add_argument("--head", type=Path, default=Path("runs/demo/head/head_speculators"))
     ap.add_argument("--assistant", type=Path, default=Path("runs/demo/assistant"))
     ap.add_argument("--prompts", type=Path)
     ap.add_argument("--data", "--shared", dest="shared", type=Path)

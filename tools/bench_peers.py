@@ -195,6 +195,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=ROOT / "runs/peers/bench")
     ap.add_argument("--vllm-python", default=sys.executable)
     ap.add_argument("--no-ours-engine", action="store_true", help="judge in vLLM only")
+    ap.add_argument("--no-default", action="store_true",
+                    help="skip the run of our default recipe (ablations of --ours runs; only with --peers '')")
     return ap.parse_args(argv)
 
 
@@ -210,7 +212,9 @@ def main(argv=None) -> dict:
 
     ours_cfg = args.ours_cfg = load_config(TrainConfig, args.ours_config,
                                            [f"target={args.target}", f"data.shards={args.capture}"])
-    entries: dict[str, dict] = {"eagleray": train_ours("eagleray", args, [], args.out)}
+    if args.no_default and args.peers:
+        raise SystemExit("--no-default: only with --peers '' (the peers' budgets follow our default run)")
+    entries: dict[str, dict] = {} if args.no_default else {"eagleray": train_ours("eagleray", args, [], args.out)}
     for spec in args.ours:
         name, _, kv = spec.partition(":")
         entries[name] = train_ours(name, args, split_overrides(kv), args.out)
@@ -240,7 +244,7 @@ def main(argv=None) -> dict:
     for k in (3, 7):
         key = f"vllm_tau_k{k}"
         peer = [e[key] for e in entries.values() if e["kind"] != "eagleray" and key in e]
-        ours = entries["eagleray"].get(key)
+        ours = entries.get("eagleray", {}).get(key)
         name = "eagleray_vs_best_peer" + ("" if k == 3 else "_k7")
         result[name] = round(ours / max(peer), 4) if peer and ours else None
     (args.out / "result.json").write_text(json.dumps(result, indent=2))

@@ -4,7 +4,7 @@
         [--head-dir runs/demo/head] [--requests-per-level 24] [--waves 4] [--max-tokens 64] [--levels 1,4,16]
 
 One deployment at a time on a local Ray Serve (127.0.0.1), so idle replicas take no cores from the one
-measured: `eagleray` (our tree decoder, batch 1 per replica, head_sglang/) and `vllm` (Ray Serve LLM +
+measured: `eagleray` (our tree decoder, batch 1 per replica, head_speculators/) and `vllm` (Ray Serve LLM +
 vLLM's CPU build, continuous batching, head_speculators/ as an EAGLE-3 chain of `--k` tokens; eagleray's
 tree 4/5/16 is sized per round by default, `--eagleray-sizing fixed` takes it as given), each with
 its head and without. At every concurrency level the same chat requests (MT-Bench / GSM8K prompts, T=0)
@@ -24,7 +24,7 @@ from pathlib import Path
 from infer.benchmarks import default_prompts
 from infer.serve import ServeConfig, start
 
-HEADS = {"eagleray": "head_sglang", "vllm": "head_speculators"}
+HEADS = {"eagleray": "head_speculators", "vllm": "head_speculators"}
 
 
 def level(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:

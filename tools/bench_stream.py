@@ -84,7 +84,7 @@ def train(out: Path, name: str, data: dict, steps: int) -> dict:
     windows = [h for h in hist if "tokens_per_s" in h][1:]  # the first window holds start-up
     return {"tokens_per_s": round(sum(h["tokens_per_s"] for h in windows) / max(1, len(windows)), 1),
             "wall_s": round(wall, 1), "peak_rss_gb": round(mem.peak / 2 ** 30, 2),
-            "sim_tau": report["best"].get("sim_tau"), "head": str(out / f"train_{name}" / "head_sglang")}
+            "sim_tau": report["best"].get("sim_tau"), "head": str(out / f"train_{name}" / "head_speculators")}
 
 
 def measured_tau(head: str, n: int) -> float:

@@ -1,6 +1,6 @@
 """Lossless check: our tree decoding vs the target's own greedy `generate`, token by token.
 
-    python tools/check_lossless.py [--target runs/demo/target] [--head runs/demo/head/head_sglang]
+    python tools/check_lossless.py [--target runs/demo/target] [--head runs/demo/head/head_speculators]
                                    [--prompts FILE.jsonl] [--n 200] [--max-new-tokens 64]
                                    [--dtype bfloat16 [--fused-verify]] [--device cuda]
 
@@ -22,7 +22,7 @@ from infer.benchmarks import chat_ids, default_prompts, prompt_file
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="runs/demo/target")
-    ap.add_argument("--head", default="runs/demo/head/head_sglang")
+    ap.add_argument("--head", default="runs/demo/head/head_speculators")
     ap.add_argument("--prompts", type=Path)
     ap.add_argument("--data", "--shared", dest="shared", type=Path)
     ap.add_argument("--n", type=int, default=200)

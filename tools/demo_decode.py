@@ -1,6 +1,6 @@
 """Demo: prompts decoded by the target alone and with the EAGLE-3 tree, side by side.
 
-    python tools/demo_decode.py [--target runs/demo/target] [--head runs/demo/head/head_sglang] [--prompt TEXT]
+    python tools/demo_decode.py [--target runs/demo/target] [--head runs/demo/head/head_speculators] [--prompt TEXT]
         [--out runs/demo/decode.json]
 
 Prints one line (tokens/s of both, tau, whether every output is identical); the texts go to --out.
@@ -20,7 +20,7 @@ from infer.generate import EagleGenerator, SpecSettings
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="runs/demo/target")
-    ap.add_argument("--head", default="runs/demo/head/head_sglang")
+    ap.add_argument("--head", default="runs/demo/head/head_speculators")
     ap.add_argument("--prompt", action="append",
                     help="repeatable; default: two prompts in the demo corpus's style")
     ap.add_argument("--out", type=Path, default=Path("runs/demo/decode.json"))

@@ -13,6 +13,17 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def head_kind(report: dict) -> str:
+    return "EAGLE 3.1" if any((report.get("options") or {}).values()) else "EAGLE-3"
+
+
+def exported(report: dict) -> str:
+    """Which exports the trainer wrote, and who loads them (SGLang reads no EAGLE 3.1 option)."""
+    names = [Path(p).name for p in (report.get("exports") or {}).values()]
+    readers = "vLLM and SGLang" if "head_sglang" in names else "vLLM and our engine"
+    return f"{' and '.join(n + '/' for n in names) or 'no export'} load in {readers}"
+
+
 def lines(demo: Path, seconds: float | None = None) -> list[str]:
     """The summary's lines (pure: files in, text out)."""
     tgt, pipe = read(demo / "target/report.json"), read(demo / "data/summary.json")
@@ -25,8 +36,8 @@ def lines(demo: Path, seconds: float | None = None) -> list[str]:
            f"steps, held-out loss {tgt.get('val_loss')}",
            f"  data      {demo}/data/      {cap.get('rows')} conversations, {cap.get('tokens')} tokens of hidden "
            f"states in {cap.get('shards')} zstd Parquet shard(s), draft vocabulary {pipe.get('vocab', {}).get('draft_vocab_size')}",
-           f"  head      {demo}/head/      EAGLE-3, {head.get('steps')} steps; head_sglang/ and head_speculators/ "
-           f"load in vLLM and SGLang; held-out simulated tau {best.get('sim_tau', float('nan')):.2f}"]
+           f"  head      {demo}/head/      {head_kind(head)}, {head.get('steps')} steps; {exported(head)}; "
+           f"held-out simulated tau {best.get('sim_tau', float('nan')):.2f}"]
     if ev.get("benchmarks"):
         out += [f"  eval      {demo}/report/    report.md, tau.png, speedup.png"]
         out += [f"            {name:<9} tau {b['tau']:.2f}   speedup {b['speedup']:.2f}x   identical to the target "

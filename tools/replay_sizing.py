@@ -1,6 +1,6 @@
 """Replay tree sizing policies on recorded drafts: fixed shapes vs `sizing: cost`, under this machine's costs.
 
-    python tools/replay_sizing.py [--target runs/demo/target] [--head runs/demo/head/head_sglang] [--n 16]
+    python tools/replay_sizing.py [--target runs/demo/target] [--head runs/demo/head/head_speculators] [--n 16]
         [--dtype bfloat16] [--top-k 4] [--depth 6] [--max-new-tokens 96] [--shapes 3/8,2/4,5/16]
 
 For every position of each prompt's greedy answer, the draft grows its tree from that position (top_k,
@@ -105,7 +105,7 @@ def replay(prompts: list[list[dict]], costs: RoundCosts, policy, gated: bool = F
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="runs/demo/target")
-    ap.add_argument("--head", default="runs/demo/head/head_sglang")
+    ap.add_argument("--head", default="runs/demo/head/head_speculators")
     ap.add_argument("--data", "--shared", dest="shared", type=Path)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")

@@ -160,6 +160,7 @@ def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> d
               "last_loss": train_recs[-1]["loss"] if train_recs else None,
               "last_acc": train_recs[-1]["acc"] if train_recs else None,
               "tokens_per_s": train_recs[-1]["tokens_per_s"] if train_recs else None,
-              "best": best, "evals": len(evals), "exports": exports, "formats": list(FORMATS)}
+              "best": best, "evals": len(evals), "exports": exports, "formats": list(FORMATS),
+              "options": cfg.model.head_options}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     return report
