@@ -226,6 +226,55 @@ def serve_fault(cl: LocalCluster, out: Path, target: Path, head: Path) -> tuple[
                     "down_s": round(t_back - t_kill, 1)}
 
 
+def node_rss_mb(cl: LocalCluster) -> dict:
+    """Resident memory of each node's processes (Ray's own: GCS, raylet, dashboard, agents, idle workers)."""
+    from local_cluster import processes
+
+    out = {}
+    for n in cl.nodes:
+        rss = 0
+        for p in processes((n.temp_dir + "/",)):
+            try:
+                rss += p.memory_info().rss
+            except Exception:  # noqa: BLE001 - a process that just ended
+                pass
+        out[n.name] = round(rss / 2 ** 20)
+    return out
+
+
+def throughput(cl: LocalCluster, out: Path, target: Path, corpus: Path, records: int) -> tuple[dict, dict]:
+    """Capture and training tokens/s on one worker node against two, one after the other in this run.
+    Capture reruns on the pipeline's tokens (the other stages off); training trains 30 steps, no fault."""
+    import shutil
+
+    one, both = {"eagleray_worker1": 1}, ON_WORKERS
+    cap, train = {}, {}
+    for nodes, res in ((1, one), (2, both)):
+        run_dir = out / f"capture_{nodes}node"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        (run_dir / "tokenize").mkdir(parents=True)
+        shutil.copy(out / "pipeline" / "tokenize" / "tokens.parquet", run_dir / "tokenize" / "tokens.parquet")
+        tree = pipeline_tree(run_dir, target, corpus, records, regenerate=False)
+        tree["ingest"]["enabled"] = False
+        tree["tokenize"]["enabled"] = tree["vocab"]["enabled"] = False
+        tree["capture"] |= {"num_actors": nodes, "resources_per_actor": res}
+        cfg = write_yaml(out / f"capture_{nodes}node.yaml", tree)
+        status = run_job(cl, f"capture_{nodes}node", ["python", "-m", "pipeline", str(cfg)], out)
+        c = json.loads((run_dir / "summary.json").read_text())["capture"] if status == "SUCCEEDED" else {}
+        cap[nodes] = round(c["tokens"] / c["wall_s"], 1) if c else None
+        t_out = out / f"train_{nodes}node"
+        shutil.rmtree(t_out, ignore_errors=True)
+        t = train_tree(t_out, target, out / "pipeline" / "capture")
+        t |= {"max_steps": 30, "checkpoint_every": 30, "eval_every": 30}
+        t["scaling"] |= {"num_workers": nodes, "resources_per_worker": res, "max_failures": 0}
+        status = run_job(cl, f"train_{nodes}node", ["python", "-m", "trainer", str(write_yaml(out / f"train_{nodes}node.yaml", t))], out)
+        r = json.loads((t_out / "report.json").read_text()) if status == "SUCCEEDED" else {}
+        train[nodes] = r.get("tokens_per_s")
+    ratio = lambda d: round(d[2] / d[1], 3) if d.get(1) and d.get(2) else None  # noqa: E731
+    return ({"one_node_tokens_per_s": cap[1], "two_nodes_tokens_per_s": cap[2], "ratio": ratio(cap)},
+            {"one_node_tokens_per_s": train[1], "two_nodes_tokens_per_s": train[2], "ratio": ratio(train)})
+
+
 def run_check(args) -> dict:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -235,6 +284,7 @@ def run_check(args) -> dict:
     result: dict = {"jobs": {}}
     with LocalCluster(Path(args.dir), workers=args.workers) as cl:
         result["nodes"] = len(cl.alive_nodes())
+        result["ray_rss_mb_at_start"] = node_rss_mb(cl)
         cfg = write_yaml(out / "pipeline.yaml", pipeline_tree(out / "pipeline", target, corpus, records))
         result["jobs"]["pipeline"] = run_job(cl, "pipeline", ["python", "-m", "pipeline", str(cfg)], out)
         shards = out / "pipeline" / "capture"
@@ -246,6 +296,8 @@ def run_check(args) -> dict:
             ecfg = write_yaml(out / "eval.yaml", eval_tree(out / "eval", target, head))
             result["jobs"]["eval"] = run_job(cl, "eval", ["python", "-m", "infer.eval", str(ecfg)], out)
             result["jobs"]["serve"], result["serve_fault"] = serve_fault(cl, out, target, head)
+        if args.throughput and result["jobs"]["pipeline"] == "SUCCEEDED":
+            result["capture_2_vs_1"], result["train_2_vs_1"] = throughput(cl, out, target, corpus, records)
     result["wall_s"] = round(time.time() - t0, 1)
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return result

@@ -3,6 +3,7 @@
     python tools/local_cluster.py --up       # head + 2 workers; prints the addresses; stays up (state file)
     python tools/local_cluster.py --down     # stops what --up started, by pid
     python tools/local_cluster.py --check    # up, every stage by `ray job submit`, faults, down; JSON last
+    python tools/local_cluster.py --check --throughput   # and tokens/s on one worker node against two
 
 Each node has a temp dir of its own (its sessions, sockets, logs), its own CPU count and object store, and a
 custom resource naming its role (`eagleray_head`, `eagleray_worker`, and `eagleray_<name>` per node), so a
@@ -263,6 +264,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dir", default="/tmp/eagleray-cluster", help="the nodes' temp dirs (short: Ray's socket paths live under it)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "cluster" / "check")
+    ap.add_argument("--throughput", action="store_true",
+                    help="--check: also capture and training tokens/s on one worker node against two (~10 min)")
     args = ap.parse_args(argv)
     if args.check:
         from cluster_check import run_check
