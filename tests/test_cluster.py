@@ -17,7 +17,7 @@ def test_three_nodes_capture_survives_a_killed_node(tmp_path, tiny_target, demo_
         nodes = cl.alive_nodes()
         assert len(nodes) == 3
         cfg = write_yaml(tmp_path / "p.yaml", pipeline_tree(tmp_path / "base", tiny_target, corpus, records, False))
-        assert run_job(cl, "pipeline", ["python", "-m", "pipeline", str(cfg)], tmp_path) == "SUCCEEDED", \
+        assert run_job(cl, "pipeline", ["python", "-m", "pipeline", str(cfg)], tmp_path)[0] == "SUCCEEDED", \
             (tmp_path / "pipeline.log").read_text()[-3000:]
         base = shard_digests(tmp_path / "base" / "capture")
         assert base["rows"] == records and len(base["rows_digests"]) == records // 4

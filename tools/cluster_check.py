@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import yaml
 
 from local_cluster import ROOT, LocalCluster, free_port
@@ -30,9 +34,6 @@ def write_yaml(path: Path, tree: dict) -> Path:
 
 def make_inputs(folder: Path) -> tuple[Path, Path]:
     """The demo corpus (0.5 MB) and the tiny target (trained here, ~20 s), made once and reused."""
-    import subprocess
-    import sys
-
     corpus, target = folder / "corpus", folder / "target"
     if not (corpus / "train.jsonl").is_file():
         subprocess.run([sys.executable, str(ROOT / "tools/demo_corpus.py"), "--out", str(corpus), "--seed", "0",
@@ -54,13 +55,15 @@ def pipeline_tree(run_dir: Path, target: Path, corpus: Path, records: int, regen
             "vocab": {"draft_vocab_size": 256}}
 
 
-def run_job(cl: LocalCluster, name: str, entrypoint: list[str], out: Path, during=None, timeout_s: float = 900) -> str:
-    """Submit, call `during(cl)` once the job runs (a fault), wait for its end; its logs go to out/NAME.log."""
+def run_job(cl: LocalCluster, name: str, entrypoint: list[str], out: Path, during=None,
+            timeout_s: float = 900) -> tuple[str, dict | None]:
+    """Submit, call `during(cl)` once the job runs (a fault), wait for its end; its logs go to out/NAME.log.
+    -> (the job's status, what `during` returned)."""
     sid = f"{name}-{int(time.time())}"
     res = cl.submit(entrypoint, sid, wait=False)
     if res.returncode:
         (out / f"{name}.log").write_text(res.stdout + res.stderr)
-        return f"NOT SUBMITTED: {res.stderr.strip().splitlines()[-1:]}"
+        return f"NOT SUBMITTED: {res.stderr.strip().splitlines()[-1:]}", None
     extra = during(cl) if during else None
     deadline, status = time.time() + timeout_s, "PENDING"
     while time.time() < deadline:
@@ -69,7 +72,7 @@ def run_job(cl: LocalCluster, name: str, entrypoint: list[str], out: Path, durin
             break
         time.sleep(2)
     (out / f"{name}.log").write_text(cl.job_logs(sid))
-    return status if extra is None else (status, extra)
+    return status, extra
 
 
 def shard_digests(capture: Path) -> dict:
@@ -78,8 +81,7 @@ def shard_digests(capture: Path) -> dict:
             "rows_digests": {s["file"]: s["rows_digest"] for s in man["shards"]},
             "bytes": {s["file"]: hashlib.sha256((capture / s["file"]).read_bytes()).hexdigest()
                       for s in man["shards"]},
-            "ids": __import__("pyarrow.parquet", fromlist=["x"]).read_table(
-                sorted(capture.glob("shard-*.parquet")), columns=["id"])["id"].to_pylist()}
+            "ids": pq.read_table(sorted(capture.glob("shard-*.parquet")), columns=["id"])["id"].to_pylist()}
 
 
 def kill_when(cl: LocalCluster, node: str, ready, what: str, wait_s: float = 600, down_s: float = 4,
@@ -108,7 +110,7 @@ def capture_fault(cl: LocalCluster, out: Path, corpus: Path, target: Path, recor
     status, kill = run_job(cl, "pipeline_fault", ["python", "-m", "pipeline", str(cfg)], out,
                            during=lambda c: kill_when(c, "worker1", lambda: written() >= 3, "capture",
                                                       progress=written))
-    res = {"job": status, **kill, "rows_expected": baseline["rows"]}
+    res = {"job": status, **(kill or {}), "rows_expected": baseline["rows"]}
     if (run_dir / "capture" / "manifest.json").is_file():
         found = shard_digests(run_dir / "capture")
         res |= {"rows_found": found["rows"], "tokens_equal": found["tokens"] == baseline["tokens"],
@@ -143,7 +145,7 @@ def train_fault(cl: LocalCluster, out: Path, target: Path, shards: Path) -> tupl
     report = json.loads((out_dir / "report.json").read_text()) if (out_dir / "report.json").is_file() else {}
     history = json.loads((out_dir / "history.json").read_text()) if (out_dir / "history.json").is_file() else []
     steps = [h["step"] for h in history if "loss" in h]
-    return status, {**kill, "resumed_from_step": resumes[-1]["step"] if resumes else None,
+    return status, {**(kill or {}), "resumed_from_step": resumes[-1]["step"] if resumes else None,
                     "final_step": report.get("steps"), "steps_logged_twice": len(steps) - len(set(steps)),
                     "exported": (out_dir / "head_speculators" / "config.json").is_file()}
 
@@ -200,7 +202,7 @@ def serve_fault(cl: LocalCluster, out: Path, target: Path, head: Path) -> tuple[
         "api_key": key, "num_replicas": 2, "num_cpus_per_replica": 0.5, "threads_per_replica": 1,
         "resources_per_replica": ON_WORKERS, "proxy_location": "HeadOnly", "default_max_tokens": 12,
         "speculative": {"mode": "chain", "depth": 3}})
-    status = run_job(cl, "serve", ["python", "-m", "infer.serve", str(cfg), "--detach"], out)
+    status, _ = run_job(cl, "serve", ["python", "-m", "infer.serve", str(cfg), "--detach"], out)
     deadline = time.time() + 600
     while time.time() < deadline and running(cl) < 2:
         time.sleep(2)
@@ -245,8 +247,6 @@ def node_rss_mb(cl: LocalCluster) -> dict:
 def throughput(cl: LocalCluster, out: Path, target: Path, corpus: Path, records: int) -> tuple[dict, dict]:
     """Capture and training tokens/s on one worker node against two, one after the other in this run.
     Capture reruns on the pipeline's tokens (the other stages off); training trains 30 steps, no fault."""
-    import shutil
-
     one, both = {"eagleray_worker1": 1}, ON_WORKERS
     cap, train = {}, {}
     for nodes, res in ((1, one), (2, both)):
@@ -259,7 +259,7 @@ def throughput(cl: LocalCluster, out: Path, target: Path, corpus: Path, records:
         tree["tokenize"]["enabled"] = tree["vocab"]["enabled"] = False
         tree["capture"] |= {"num_actors": nodes, "resources_per_actor": res}
         cfg = write_yaml(out / f"capture_{nodes}node.yaml", tree)
-        status = run_job(cl, f"capture_{nodes}node", ["python", "-m", "pipeline", str(cfg)], out)
+        status, _ = run_job(cl, f"capture_{nodes}node", ["python", "-m", "pipeline", str(cfg)], out)
         c = json.loads((run_dir / "summary.json").read_text())["capture"] if status == "SUCCEEDED" else {}
         cap[nodes] = round(c["tokens"] / c["wall_s"], 1) if c else None
         t_out = out / f"train_{nodes}node"
@@ -267,7 +267,7 @@ def throughput(cl: LocalCluster, out: Path, target: Path, corpus: Path, records:
         t = train_tree(t_out, target, out / "pipeline" / "capture")
         t |= {"max_steps": 30, "checkpoint_every": 30, "eval_every": 30}
         t["scaling"] |= {"num_workers": nodes, "resources_per_worker": res, "max_failures": 0}
-        status = run_job(cl, f"train_{nodes}node", ["python", "-m", "trainer", str(write_yaml(out / f"train_{nodes}node.yaml", t))], out)
+        status, _ = run_job(cl, f"train_{nodes}node", ["python", "-m", "trainer", str(write_yaml(out / f"train_{nodes}node.yaml", t))], out)
         r = json.loads((t_out / "report.json").read_text()) if status == "SUCCEEDED" else {}
         train[nodes] = r.get("tokens_per_s")
     ratio = lambda d: round(d[2] / d[1], 3) if d.get(1) and d.get(2) else None  # noqa: E731
@@ -286,7 +286,7 @@ def run_check(args) -> dict:
         result["nodes"] = len(cl.alive_nodes())
         result["ray_rss_mb_at_start"] = node_rss_mb(cl)
         cfg = write_yaml(out / "pipeline.yaml", pipeline_tree(out / "pipeline", target, corpus, records))
-        result["jobs"]["pipeline"] = run_job(cl, "pipeline", ["python", "-m", "pipeline", str(cfg)], out)
+        result["jobs"]["pipeline"] = run_job(cl, "pipeline", ["python", "-m", "pipeline", str(cfg)], out)[0]
         shards = out / "pipeline" / "capture"
         if result["jobs"]["pipeline"] == "SUCCEEDED":
             result["capture_fault"] = capture_fault(cl, out, corpus, target, records, shard_digests(shards))
@@ -294,7 +294,7 @@ def run_check(args) -> dict:
         head = out / "train" / "head_speculators"
         if result["jobs"].get("trainer") == "SUCCEEDED":
             ecfg = write_yaml(out / "eval.yaml", eval_tree(out / "eval", target, head))
-            result["jobs"]["eval"] = run_job(cl, "eval", ["python", "-m", "infer.eval", str(ecfg)], out)
+            result["jobs"]["eval"] = run_job(cl, "eval", ["python", "-m", "infer.eval", str(ecfg)], out)[0]
             result["jobs"]["serve"], result["serve_fault"] = serve_fault(cl, out, target, head)
         if args.throughput and result["jobs"]["pipeline"] == "SUCCEEDED":
             result["capture_2_vs_1"], result["train_2_vs_1"] = throughput(cl, out, target, corpus, records)

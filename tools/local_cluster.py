@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,10 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pipeline.cluster import RAY_ENV
 
-from pipeline.cluster import RAY_ENV  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Read by the head's GCS at start: a node whose raylet is gone (its health RPC refused at once) is marked
 # dead after 5 checks a second apart, ~5 s (Ray's defaults: 5 checks 3 s apart after a 5 s delay, ~20 s).
