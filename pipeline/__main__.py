@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 
+from pipeline import storage
 from pipeline.cluster import ensure_ray, quiet_ray_data
 from pipeline.yaml_config import config_arguments, errors_exit, load_or_exit
 from pipeline.config import Ingest, PipelineConfig
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dict:
+    """run_dir may be a URI: its storage is checked before any work; the text stages then run in its local
+    mirror (pipeline/storage.py Mirror), each stage's folder pushed when it ends, and capture's actors
+    read the tokens and write the shards at the URI itself, the manifest last."""
     from pipeline.capture import run_capture
     from pipeline.ingest import run_ingest
     from pipeline.plan import estimate_storage
@@ -46,19 +50,26 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
     from pipeline.tokenize import inspect, run_tokenize
     from pipeline.vocab import run_vocab
 
-    print(f"pipeline: {ensure_ray(cfg.ray_address)}; run_dir={cfg.run_dir}", flush=True)
+    storage.check("run_dir", cfg.run_dir, writable=True)
+    mirror, remote = storage.Mirror(cfg.run_dir), cfg.run_dir
+    provenance = json.loads(cfg.model_dump_json())
+    cfg = cfg.model_copy(update={"run_dir": mirror.local})
+    print(f"pipeline: {ensure_ray(cfg.ray_address)}; run_dir={storage.redact(remote)}", flush=True)
     quiet_ray_data()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "pipeline_config.json").write_text(cfg.model_dump_json(indent=2))
+    (cfg.run_dir / "pipeline_config.json").write_text(json.dumps(provenance, indent=2))
+    mirror.push("pipeline_config.json")
     summary, t0 = {}, time.time()
     records = cfg.stage_dir("ingest") / "records.jsonl"
     if cfg.ingest.enabled:
         summary["ingest"] = run_ingest(cfg.ingest, cfg.stage_dir("ingest"), prompt_only=cfg.regenerate.enabled)
+        mirror.push("ingest")
         log("ingest", {k: v for k, v in summary["ingest"].items() if k != "sources"}, t0)
     if cfg.regenerate.enabled:
         summary["regenerate"] = run_regenerate(cfg.regenerate, cfg.target, records, cfg.stage_dir("regenerate"),
                                                cfg.chat)
         records = cfg.stage_dir("regenerate") / "records.jsonl"
+        mirror.push("regenerate")
         log("regenerate", summary["regenerate"], t0)
     tokens = cfg.stage_dir("tokenize") / "tokens.parquet"
     if cfg.tokenize.enabled:
@@ -66,6 +77,7 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
             raise ValueError(f"tokenize: {records} not found; enable ingest or point run_dir at an earlier run")
         summary["tokenize"] = run_tokenize(cfg.tokenize, cfg.target, records, cfg.stage_dir("tokenize"),
                                            cfg.chat)
+        mirror.push("tokenize")
         log("tokenize", summary["tokenize"], t0)
         if inspect_n:
             print(inspect(tokens, cfg.target, inspect_n))
@@ -74,13 +86,15 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
         print(json.dumps(summary["plan"]))
         return summary
     if cfg.capture.enabled:
-        summary["capture"] = run_capture(cfg.capture, cfg.target, tokens, cfg.stage_dir("capture"),
-                                         provenance=json.loads(cfg.model_dump_json()))
+        summary["capture"] = run_capture(cfg.capture, cfg.target, storage.join(remote, "tokenize", "tokens.parquet"),
+                                         storage.join(remote, "capture"), provenance=provenance)
         log("capture", summary["capture"], t0)
     if cfg.vocab.enabled:
         summary["vocab"] = run_vocab(cfg.vocab, cfg.target, tokens, cfg.stage_dir("capture"))
+        mirror.push("capture")  # the vocab's files (the shards are at the URI already)
         log("vocab", summary["vocab"], t0)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    mirror.push("summary.json")
     return summary
 
 

@@ -1,7 +1,7 @@
 """Stage 4, capture: target forwards in a Ray Data actor pool -> hidden-state Parquet shards.
 
 The token table is cut into fixed row ranges; range k becomes `shard-0000k.parquet`, written under a
-temp name and renamed when complete, so a killed run rerun skips finished shards (their bytes are not
+temp name and renamed when complete (to an object store: one upload), so a killed run rerun skips finished shards (their bytes are not
 touched) and redoes only the rest. Each shard carries the run's signature in its schema metadata; a
 rerun with a different target, dtype or layer set refuses to mix shards. A manifest closes the run.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 import torch
 
+from pipeline import storage
 from pipeline.buckets import length_buckets
 from pipeline.cluster import check_actor_cpus
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
@@ -77,8 +77,8 @@ class CaptureWorker:
         self.model, self.device = load_model(target, self.cfg.model_dtype, self.cfg.num_gpus_per_actor > 0)
         check_logit_rule(self.model, signature["aux_layer_ids"])
         self.pad_id = self.model.config.pad_token_id or 0
-        self.tokens = pq.read_table(tokens_path, columns=["id", "input_ids", "loss_mask", "n_tokens"])
-        self.out_dir, self.signature = (Path(out_dir) if out_dir else None), signature
+        self.tokens = storage.read_table(tokens_path, columns=["id", "input_ids", "loss_mask", "n_tokens"])
+        self.out_dir, self.signature = (storage.location(out_dir) if out_dir else None), signature
 
     def __call__(self, batch: dict):
         if self.mode != "write":
@@ -103,7 +103,7 @@ class CaptureWorker:
         if self.mode != "stream":
             meta = dict(self.signature, shard=index, rows=len(rows), tokens=int(sum(r["n_tokens"] for r in rows)),
                         input_digest=rows_digest([r["id"] for r in rows], [r["n_tokens"] for r in rows]))
-            nbytes = write_shard(table, self.out_dir / shard_name(index), meta, self.cfg.compression_level)
+            nbytes = write_shard(table, storage.join(self.out_dir, shard_name(index)), meta, self.cfg.compression_level)
         return table, fwd, nbytes
 
 
@@ -113,47 +113,51 @@ def make_signature(target: Path, cfg: Capture, max_length: int) -> dict:
     return data_signature(spec, spec.aux_layers(cfg.layer_ids), cfg.dtype, max_length)
 
 
-def pending_shards(out_dir: Path, tokens: pa.Table, ranges, signature: dict) -> tuple[list, list]:
-    """Split ranges into (to do, already complete); refuse shards captured with another signature."""
+def pending_shards(out_dir, tokens: pa.Table, ranges, signature: dict) -> tuple[list, list]:
+    """Split ranges into (to do, already complete); refuse shards captured with another signature.
+    `out_dir`: a path or URI."""
     todo, done = [], []
     ids, lens = tokens.column("id").to_pylist(), tokens.column("n_tokens").to_pylist()
-    for stale in out_dir.glob(".shard-*.tmp"):
-        stale.unlink()  # a killed writer's leftovers; the shard is redone below
+    for stale in storage.list_names(out_dir, ".shard-*.tmp"):
+        storage.delete(storage.join(out_dir, stale))  # a killed writer's leftovers; the shard is redone below
     names = {shard_name(i) for i, _, _ in ranges}
-    for extra in out_dir.glob("shard-*.parquet"):
-        if extra.name not in names:  # from an earlier run over more rows
-            extra.unlink()
+    present = set(storage.list_names(out_dir, "shard-*.parquet"))
+    for extra in present - names:  # from an earlier run over more rows
+        storage.delete(storage.join(out_dir, extra))
     for index, start, end in ranges:
-        path = out_dir / shard_name(index)
-        if path.is_file():
+        path = storage.join(out_dir, shard_name(index))
+        if shard_name(index) in present:
             meta = shard_meta(path)
             if meta.get("target_weights_id") != signature["target_weights_id"]:
-                path.unlink()  # the target was retrained in place: its states are stale, recapture
+                storage.delete(path)  # the target was retrained in place: its states are stale, recapture
                 todo.append((index, start, end))
                 continue
             why = signature_mismatch(meta, signature)
             if why:
-                raise ValueError(f"{path}: captured with different settings ({why}); "
-                                 f"use a new run_dir or delete {out_dir}")
+                raise ValueError(f"{storage.redact(path)}: captured with different settings ({why}); "
+                                 f"use a new run_dir or delete {storage.redact(out_dir)}")
             if meta.get("input_digest") == rows_digest(ids[start:end], lens[start:end]):
                 done.append(index)
                 continue
-            path.unlink()  # its input rows changed: recapture
+            storage.delete(path)  # its input rows changed: recapture
         todo.append((index, start, end))
     return todo, done
 
 
-def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, provenance: dict | None = None) -> dict:
-    """Capture every pending shard; `provenance` (the pipeline config) is recorded in the manifest."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def run_capture(cfg: Capture, target: Path, tokens_path, out_dir, provenance: dict | None = None) -> dict:
+    """Capture every pending shard; `provenance` (the pipeline config) is recorded in the manifest.
+    `tokens_path` and `out_dir` are paths or URIs: the actors, on any node, read and write there."""
+    if not storage.is_uri(out_dir):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
     signature = make_signature(target, cfg, tokens_max_length(tokens_path))
-    tokens = pq.read_table(tokens_path, columns=["id", "n_tokens"])
+    tokens = storage.read_table(tokens_path, columns=["id", "n_tokens"])
     ranges = shard_ranges(tokens.num_rows, cfg.rows_per_shard)
     todo, done = pending_shards(out_dir, tokens, ranges, signature)
     t0 = time.perf_counter()
     results = []
     if todo:
-        written = lambda: sum((out_dir / shard_name(i)).is_file() for i, _, _ in ranges)  # noqa: E731
+        names = {shard_name(i) for i, _, _ in ranges}
+        written = lambda: len(names.intersection(storage.list_names(out_dir, "shard-*.parquet")))  # noqa: E731
         with progress_bar("capture", len(ranges), written, unit="shard"):
             results = capture_dataset(cfg, target, tokens_path, todo, signature, out_dir, "write").take_all()
     wall = time.perf_counter() - t0
@@ -166,28 +170,26 @@ def run_capture(cfg: Capture, target: Path, tokens_path: Path, out_dir: Path, pr
             "wall_s": round(wall, 2), "forward_share": round(fwd / total, 3) if total else None}
 
 
-def write_manifest(out_dir: Path, ranges, signature: dict, target: Path, provenance: dict | None) -> dict:
+def write_manifest(out_dir, ranges, signature: dict, target: Path, provenance: dict | None) -> dict:
     """manifest.json over the complete shards of `ranges` (written last: a manifest means a complete run)."""
     shards = []
     for index, _, _ in ranges:
-        path = out_dir / shard_name(index)
+        path = storage.join(out_dir, shard_name(index))
         meta = shard_meta(path)
-        shards.append({"file": path.name, "rows": meta["rows"], "tokens": meta["tokens"],
-                       "bytes": path.stat().st_size, "rows_digest": meta.get("input_digest")})
+        shards.append({"file": shard_name(index), "rows": meta["rows"], "tokens": meta["tokens"],
+                       "bytes": storage.size(path), "rows_digest": meta.get("input_digest")})
     toks = sum(s["tokens"] for s in shards)
     h, dtype = signature["hidden_size"], signature["dtype"]
     width = bytes_per_token(dtype, 3 * h, 3) + bytes_per_token(dtype, h)
     manifest = dict(signature, target=str(Path(target).resolve()), rows=sum(s["rows"] for s in shards), tokens=toks,
                     bytes=sum(s["bytes"] for s in shards), raw_hidden_bytes=toks * width, shards=shards,
                     pipeline_config=provenance or {})
-    tmp = out_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(out_dir / MANIFEST)
+    storage.write_text(storage.join(out_dir, MANIFEST), json.dumps(manifest, indent=2))
     return manifest
 
 
-def capture_dataset(cfg: Capture, target: Path, tokens_path: Path, ranges, signature: dict,
-                    out_dir: Path | None = None, mode: str = "stream"):
+def capture_dataset(cfg: Capture, target: Path, tokens_path, ranges, signature: dict,
+                    out_dir=None, mode: str = "stream"):
     """A Ray Data dataset over shard `ranges` from a pool of capture actors (`CaptureWorker` modes):
     "stream" yields the rows with hidden states (SHARD_SCHEMA) in `ranges` order and writes nothing,
     "write_rows" also writes each shard to out_dir, "write" writes and yields counts only."""

@@ -6,11 +6,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.yaml_config import ExistingPath, StrictModel
+from pipeline import storage
+from pipeline.yaml_config import ExistingPath, InputLocation, Location, StrictModel
 
 
 class Source(StrictModel):
-    path: ExistingPath
+    path: InputLocation  # a file, a glob (data/*.jsonl, s3://b/ultrachat/train_sft-*.parquet) or a URI
     format: Literal["sharegpt", "ultrachat", "qa", "prompt", "auto"] = "auto"  # prompt: {prompt|instruction|question}
     weight: float | None = Field(None, gt=0)     # share of the mix, relative to the other weights
     max_records: int | None = Field(None, gt=0)  # or an absolute cap
@@ -24,7 +25,7 @@ class Source(StrictModel):
 
     @property
     def label(self) -> str:
-        return self.name or self.path.name
+        return self.name or storage.name(self.path)
 
 
 class Ingest(StrictModel):
@@ -126,7 +127,7 @@ class Vocab(StrictModel):
 
 
 class PipelineConfig(StrictModel):
-    run_dir: Path = Path("runs/pipeline")
+    run_dir: Location = Path("runs/pipeline")  # a folder or a URI (s3://bucket/prefix): pipeline/storage.py
     target: ExistingPath
     ray_address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
     ingest: Ingest = Field(default_factory=lambda: Ingest(enabled=False))
@@ -137,5 +138,5 @@ class PipelineConfig(StrictModel):
     vocab: Vocab = Vocab()
 
     # One folder per stage under run_dir; a stage reads the previous stage's folder.
-    def stage_dir(self, stage: str) -> Path:
-        return self.run_dir / stage
+    def stage_dir(self, stage: str) -> Path | str:
+        return storage.join(self.run_dir, stage)

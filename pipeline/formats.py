@@ -1,7 +1,7 @@
 """Corpus record formats (ARCHITECTURE.md §2): ShareGPT, UltraChat / OpenAI messages, question-answer pairs.
 
 `normalise` turns one parsed record into `[{role, content}]` or a reject reason; `read_records` walks a
-.json (list) or .jsonl file and yields (line number, record or None, reason or None), so a broken line
+.json (list), .jsonl or .parquet file and yields (line number, record or None, reason or None), so a broken line
 is a counted reject and never stops the reader.
 """
 from __future__ import annotations
@@ -109,11 +109,18 @@ def check_order(turns: list[dict], prompt_only: bool = False) -> list[dict]:
     return turns
 
 
-def read_records(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield (index, parsed object or None, parse-failure reason or None) for .json or .jsonl."""
-    path = Path(path)
-    data = path.read_bytes()
-    whole = path.suffix == ".json" or (path.suffix != ".jsonl" and data.lstrip()[:1] == b"[")
+def read_records(path) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield (index, parsed object or None, parse-failure reason or None) for a .json, .jsonl or .parquet
+    file, local or at a URI (pipeline/storage.py). A Parquet row is one record (a Hugging Face dataset's
+    Parquet export, UltraChat's `messages` column say); an unreadable Parquet file is one reject."""
+    from pipeline import storage
+
+    name = storage.name(path)
+    if name.endswith(".parquet"):
+        yield from parquet_records(path)
+        return
+    data = storage.read_bytes(path)
+    whole = name.endswith(".json") or (not name.endswith(".jsonl") and data.lstrip()[:1] == b"[")
     if whole:
         try:
             items = json.loads(data.decode("utf-8"))
@@ -140,6 +147,21 @@ def read_records(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
             yield i, json.loads(text), None
         except json.JSONDecodeError:
             yield i, None, "broken_json"
+
+
+def parquet_records(path) -> Iterator[tuple[int, Any, str | None]]:
+    from pipeline import storage
+
+    try:
+        pf = storage.parquet_file(path)
+    except (OSError, ValueError):  # not Parquet, truncated: ArrowInvalid is a ValueError
+        yield 0, None, "broken_parquet"
+        return
+    i = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for obj in batch.to_pylist():
+            yield i, obj, None
+            i += 1
 
 
 def load_conversations(path: str | Path, fmt: str = "auto") -> tuple[list[list[dict]], dict[str, int]]:

@@ -1,6 +1,7 @@
 """Stage 1, ingest: read every source in Ray Data tasks, normalise, deduplicate, mix by weight.
 
-Writes under <run_dir>/ingest/: records.jsonl ({id, source, messages}), rejects.jsonl (one reason per
+A source is a file, a glob or a URI (.json, .jsonl or .parquet; pipeline/storage.py), each file one
+Ray Data task. Writes under <run_dir>/ingest/: records.jsonl ({id, source, messages}), rejects.jsonl (one reason per
 bad record) and stats.json (counts per source and per reason). Every input record ends up in exactly
 one of: the output, a reject, or the `not_sampled` count of the weighted mix.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import ray
 
+from pipeline import storage
 from pipeline.formats import Reject, normalise, read_records
 from pipeline.config import Ingest
 
@@ -28,8 +30,8 @@ def parse_source(row: dict, max_chars: int, prompt_only: bool = False) -> list[d
     prompt_only: records without answers are accepted (regeneration will write them)."""
     out = []
     for idx, obj, reason in read_records(row["path"]):
-        rec = {"source": row["source"], "order": row["order"], "index": idx, "id": "", "messages": "",
-               "key": "", "reason": reason or "", "detail": ""}
+        rec = {"source": row["source"], "order": row["order"], "part": row["part"], "index": idx, "id": "",
+               "messages": "", "key": "", "reason": reason or "", "detail": ""}
         if reason is None:
             try:
                 msgs = normalise(obj, row["format"], prompt_only)
@@ -61,20 +63,32 @@ def mix_counts(available: dict[str, int], sources, total: int | None) -> dict[st
     return want
 
 
+def source_files(key: str, loc) -> list:
+    """A source's files: itself, or what its glob matches (sorted). A URI is checked here, before any
+    work: unreachable, refused or matching nothing stops the stage with one line naming `key`."""
+    if storage.is_uri(loc):
+        storage.check(key, loc, must_exist=not storage.has_glob(loc))
+    files = storage.expand(loc)
+    if not files:
+        raise storage.StorageError(f"{key}: no file matches {storage.redact(loc)}")
+    return [f if storage.is_uri(f) else str(Path(f).resolve()) for f in files]
+
+
 def run_ingest(cfg: Ingest, out_dir: Path, prompt_only: bool = False) -> dict:
     """prompt_only is the pipeline's regeneration switch: with it on, the target answers bare prompts."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     labels = [s.label for s in cfg.sources]
     if len(set(labels)) != len(labels):
         raise ValueError(f"ingest.sources: two sources share the name {labels}; give them distinct `name`s")
-    items = [{"source": s.label, "order": i, "path": str(s.path.resolve()), "format": s.format}
-             for i, s in enumerate(cfg.sources)]
+    items = [{"source": s.label, "order": i, "part": j, "path": f, "format": s.format}
+             for i, s in enumerate(cfg.sources) for j, f in enumerate(source_files(f"ingest.sources.{i}.path", s.path))]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = {s.label: sum(it["source"] == s.label for it in items) for s in cfg.sources}
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     rows = ds.flat_map(parse_source, fn_kwargs={"max_chars": cfg.max_chars, "prompt_only": prompt_only}).take_all()
-    rows.sort(key=lambda r: (r["order"], r["index"]))
+    rows.sort(key=lambda r: (r["order"], r["part"], r["index"]))
 
-    stats = {s.label: {"read": 0, "accepted": 0, "rejected": {}, "selected": 0, "not_sampled": 0}
-             for s in cfg.sources}
+    stats = {s.label: {"files": parts[s.label], "read": 0, "accepted": 0, "rejected": {}, "selected": 0,
+                       "not_sampled": 0} for s in cfg.sources}
     seen_keys: set[str] = set()
     seen_ids: set[str] = set()
     accepted: dict[str, list[dict]] = {s.label: [] for s in cfg.sources}
@@ -84,14 +98,17 @@ def run_ingest(cfg: Ingest, out_dir: Path, prompt_only: bool = False) -> dict:
             st["read"] += 1
             if not r["reason"] and r["key"] in seen_keys:
                 r["reason"], r["detail"] = "duplicate", "same normalised content as an earlier record"
+            # A record's place: its index in the file, and which file of a glob's (part) when there are several.
+            where = r["index"] if parts[r["source"]] == 1 else f"{r['part']}:{r['index']}"
             if r["reason"]:
                 st["rejected"][r["reason"]] = st["rejected"].get(r["reason"], 0) + 1
-                rej.write(json.dumps({k: r[k] for k in ("source", "index", "reason", "detail")}) + "\n")
+                rej.write(json.dumps({"source": r["source"], "index": where, "reason": r["reason"],
+                                      "detail": r["detail"]}) + "\n")
                 continue
             seen_keys.add(r["key"])
-            rid = r["id"] or f"{r['source']}:{r['index']}"
+            rid = r["id"] or f"{r['source']}:{where}"
             if rid in seen_ids:  # ids must be unique downstream (shards are keyed by them)
-                rid = f"{rid}#{r['source']}:{r['index']}"
+                rid = f"{rid}#{r['source']}:{where}"
             seen_ids.add(rid)
             st["accepted"] += 1
             accepted[r["source"]].append({"id": rid, "source": r["source"], "messages": r["messages"]})

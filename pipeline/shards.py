@@ -1,6 +1,7 @@
 """Hidden-state shard format (ARCHITECTURE.md §2): schema, deterministic names, signature, manifest, readers.
 
-Shared by the capture stage (writer) and the trainer (reader), so both agree on every field.
+Shared by the capture stage (writer) and the trainer (reader), so both agree on every field. A shard
+folder is a path or a URI (pipeline/storage.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from pipeline import storage
 
 SHARD_SCHEMA = pa.schema([
     ("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
@@ -55,25 +58,33 @@ def signature_mismatch(found: dict, expected: dict) -> str | None:
     return None if k is None else f"{k}: shards have {found.get(k)!r}, expected {expected[k]!r}"
 
 
-def shard_meta(path: Path) -> dict:
-    md = pq.read_schema(path).metadata or {}
+def shard_meta(loc) -> dict:
+    md = storage.parquet_file(loc).schema_arrow.metadata or {}
     return json.loads(md.get(META_KEY, b"{}"))
 
 
-def write_shard(table: pa.Table, final: Path, meta: dict, compression_level: int = 3) -> int:
-    """Write under a temp name, fsync, rename: a shard file that exists is complete. -> bytes."""
+def write_shard(table: pa.Table, final, meta: dict, compression_level: int = 3) -> int:
+    """A shard file that exists is complete: written locally under a temp name, fsynced and renamed; to
+    an object store in one upload (an object appears whole or not at all). `final`: a path or URI. -> bytes."""
     table = table.cast(SHARD_SCHEMA).replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+    opts = dict(compression="zstd", compression_level=compression_level, use_dictionary=False,
+                write_statistics=False, row_group_size=16)
+    if storage.is_uri(final):  # a multipart upload: the object exists once the writer closes
+        fs, path = storage.filesystem(final)
+        pq.write_table(table, path, filesystem=fs, **opts)
+        return storage.size(final)
+    final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
-    pq.write_table(table, tmp, compression="zstd", compression_level=compression_level,
-                   use_dictionary=False, write_statistics=False, row_group_size=16)
+    pq.write_table(table, tmp, **opts)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     tmp.replace(final)
     return final.stat().st_size
 
 
-def read_manifest(shard_dir: Path) -> dict:
-    path = Path(shard_dir) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{shard_dir}: no {MANIFEST}; is this a capture output folder?")
-    return json.loads(path.read_text())
+def read_manifest(shard_dir) -> dict:
+    """The manifest of a capture folder (a path or URI)."""
+    loc = storage.join(shard_dir, MANIFEST)
+    if not storage.is_file(loc):
+        raise FileNotFoundError(f"{storage.redact(shard_dir)}: no {MANIFEST}; is this a capture output folder?")
+    return json.loads(storage.read_text(loc))

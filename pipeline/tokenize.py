@@ -28,9 +28,11 @@ TOKENS_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32(
 TOKENS_META = b"eagleray_tokenize"  # schema metadata of tokens.parquet: {"max_length": ...}
 
 
-def tokens_max_length(tokens_path: Path) -> int:
-    """The length cap the tokens were cut at (written by run_tokenize)."""
-    meta = pq.read_schema(tokens_path).metadata or {}
+def tokens_max_length(tokens_path) -> int:
+    """The length cap the tokens were cut at (written by run_tokenize); a path or URI."""
+    from pipeline import storage
+
+    meta = storage.parquet_file(tokens_path).schema_arrow.metadata or {}
     if TOKENS_META not in meta:
         raise ValueError(f"{tokens_path} carries no tokenize settings (written by an older version): "
                          f"rerun the tokenize stage")

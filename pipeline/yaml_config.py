@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any, Sequence, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
+
+from pipeline import storage
 
 
 class ConfigError(ValueError):
@@ -34,6 +36,20 @@ def _must_exist(p: Path) -> Path:
 
 # A path that must exist when the config is loaded (inputs); outputs use plain Path.
 ExistingPath = Annotated[Path, AfterValidator(_must_exist)]
+
+
+def _input_location(value):
+    """A local input must exist (a glob must match a file); a URI is checked by its stage before any work
+    (pipeline.storage.check), not at load."""
+    loc = storage.location(value)
+    if not storage.is_uri(loc) and not storage.expand(loc):
+        raise ValueError(f"{'no file matches' if storage.has_glob(loc) else 'path does not exist:'} {loc}")
+    return loc
+
+
+# Where a stage writes (Location) or reads (InputLocation): a local Path or a URI string (pipeline/storage.py).
+Location = Annotated[Path | str, BeforeValidator(lambda v: storage.location(v))]
+InputLocation = Annotated[Path | str, BeforeValidator(_input_location)]
 
 T = TypeVar("T", bound=BaseModel)
 

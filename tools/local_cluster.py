@@ -129,6 +129,68 @@ def stop_processes(markers) -> list[str]:
     return names
 
 
+# What every process that talks to the local S3 server reads (moto takes any credentials unless `auth`).
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "eagleray", "AWS_SECRET_ACCESS_KEY": "eagleray-local", "AWS_REGION": "us-east-1"}
+
+
+class S3Server:
+    """moto's S3-compatible server (`python -m moto.server`, the test extra) on a free 127.0.0.1 port, with
+    `buckets` created; the store the nodes share. `auth=True` makes it check credentials (IAM), so keys it
+    does not know are refused. Stopped by pid."""
+
+    def __init__(self, buckets=("eagleray",), auth: bool = False):
+        self.port, self.buckets, self.auth, self.proc = free_port(), tuple(buckets), auth, None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment a node or job needs to use this server through plain `s3://` URIs."""
+        return {**S3_CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
+
+    def uri(self, path: str) -> str:
+        """`s3://path` with this server named in the query (for processes without `env`)."""
+        return f"s3://{path.strip('/')}?endpoint_override=127.0.0.1:{self.port}&scheme=http"
+
+    def start(self, wait_s: float = 60) -> "S3Server":
+        import urllib.request
+
+        env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if self.auth else {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2)
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"moto S3 server did not start on port {self.port}") from None
+                time.sleep(0.3)
+        if not self.auth:
+            import pyarrow.fs as pafs
+
+            fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{self.port}", scheme="http", region="us-east-1",
+                                   access_key=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                                   secret_key=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"], allow_bucket_creation=True)
+            for b in self.buckets:
+                fs.create_dir(b)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "S3Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 class LocalCluster:
     """A head and `workers` worker nodes under `root` (one temp dir per node). Context manager: stops on exit."""
 

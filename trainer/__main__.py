@@ -6,6 +6,7 @@ checkpoint in out_dir when there is one, then exports the best head (SGLang and 
 from __future__ import annotations
 
 import pipeline.cluster  # noqa: F401  (sets the Ray env defaults before ray is imported)
+from pipeline import storage
 from pipeline.yaml_config import config_arguments, errors_exit, load_or_exit
 from trainer.config import TrainConfig
 
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = (f"best at step {best['step']}: held-out simulated tau {best['sim_tau']:.2f}, first-token acceptance "
                 f"{best['val_acc'][0]:.2f}; " if best.get("val_acc") else "")
     print(f"[train] {report['steps']} steps in {report['wall_s']:.0f} s, {report.get('tokens_per_s') or 0:.0f} "
-          f"tokens/s; {held_out}heads in {cfg.out_dir}/ ({', '.join(report['exports'])}; report.json)", flush=True)
+          f"tokens/s; {held_out}heads in {storage.redact(cfg.out_dir)} ({', '.join(report['exports'])}; report.json)", flush=True)
     return report
 
 

@@ -6,12 +6,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.yaml_config import ExistingPath, StrictModel
+from pipeline.yaml_config import ExistingPath, InputLocation, Location, StrictModel
 
 
 class Data(StrictModel):
     source: Literal["parquet", "stream", "hybrid"] = "parquet"  # trainer/sources.py; docs/USAGE.md "Trainer"
-    shards: ExistingPath | None = None        # parquet: a capture folder (shard-*.parquet, manifest, draft_vocab)
+    shards: InputLocation | None = None       # parquet: a capture folder or URI (shard-*.parquet, manifest, draft_vocab)
     pipeline: ExistingPath | None = None      # stream / hybrid: the pipeline YAML whose stages feed training
     max_tokens_per_batch: int = Field(4096, gt=0)  # padded tokens per micro-batch (length-bucketed)
     max_rows_per_batch: int = Field(16, gt=0)
@@ -111,7 +111,7 @@ class DeepSpeedCfg(StrictModel):
 
 class TrainConfig(StrictModel):
     target: ExistingPath
-    out_dir: Path = Path("runs/train")
+    out_dir: Location = Path("runs/train")     # a folder or a URI (checkpoints, best, exports): pipeline/storage.py
     data: Data
     model: Model = Model()
     optim: Optim = Optim()

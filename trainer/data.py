@@ -8,15 +8,14 @@ the order is a pure function of the stream, so a resumed run replays it exactly.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
+from pipeline import storage
 from pipeline.codec import from_bytes
 from pipeline.shards import first_mismatch, read_manifest
 from pipeline.target import TargetSpec
@@ -40,9 +39,10 @@ def check_manifest(manifest: dict, spec: TargetSpec) -> None:
         raise ValueError(f"shards do not match the target {spec.path}: {e}") from None
 
 
-def shard_files(shard_dir: Path, manifest: dict | None = None) -> list[str]:
+def shard_files(shard_dir, manifest: dict | None = None) -> list:
+    """The run's shard files in order: paths, or URIs when `shard_dir` is one."""
     man = manifest if manifest is not None else read_manifest(shard_dir)
-    return [str(Path(shard_dir) / s["file"]) for s in man["shards"]]
+    return [str(storage.join(shard_dir, s["file"])) for s in man["shards"]]
 
 
 def val_rows(files: list[str], n: int) -> pa.Table:
@@ -51,10 +51,10 @@ def val_rows(files: list[str], n: int) -> pa.Table:
     for f in reversed(files):
         if n <= 0:
             break
-        t = pq.read_table(f)
+        t = storage.read_table(f)
         tables.insert(0, t.slice(max(0, t.num_rows - n)))
         n -= t.num_rows
-    return pa.concat_tables(tables) if tables else pq.read_table(files[0]).slice(0, 0)
+    return pa.concat_tables(tables) if tables else storage.read_table(files[0]).slice(0, 0)
 
 
 def drop_ids(batch: pa.Table, ids: list[str]) -> pa.Table:

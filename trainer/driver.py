@@ -2,16 +2,19 @@
 
 The run lives in out_dir: ray/ (Ray Train storage with checkpoints), tensorboard/, best/ (the head with
 the best simulated tau so far, SGLang format), head_sglang/ and head_speculators/ (exports), report.json.
-Rerunning the same config resumes from the latest checkpoint.
+Rerunning the same config resumes from the latest checkpoint. out_dir may be a URI: Ray Train keeps its
+checkpoints there (every rank on any node reports its part), rank 0 pushes best/, progress and history from
+its mirror, and this driver exports from its own (pipeline/storage.py Mirror).
 """
 from __future__ import annotations
 
 import json
 import math
 import time
-from pathlib import Path
 
-import pyarrow.parquet as pq
+import pyarrow.fs as pafs
+
+from pipeline import storage
 
 from pipeline.cluster import cpu_worker_env
 from pipeline.progress import progress_bar
@@ -31,7 +34,7 @@ def estimate_total_steps(cfg: TrainConfig, files: list[str], held_out: set[str])
         return cfg.max_steps
     lengths = []
     for f in files:
-        t = pq.read_table(f, columns=["id", "input_ids"])
+        t = storage.read_table(f, columns=["id", "input_ids"])
         lengths += [len(x) for rid, x in zip(t["id"].to_pylist(), t["input_ids"].to_pylist()) if rid not in held_out]
     workers, pool = cfg.scaling.num_workers, cfg.data.bucket_pool
     per_worker = math.ceil(len(lengths) / workers)
@@ -45,39 +48,48 @@ def estimate_total_steps(cfg: TrainConfig, files: list[str], held_out: set[str])
     return max(1, cfg.epochs * batches // cfg.optim.grad_accum)
 
 
-def latest_checkpoint(storage: Path):
-    """The newest checkpoint Ray Train persisted for this run, or None."""
-    from ray.train import Checkpoint
-
-    run = storage / RUN_NAME
-    best, best_step = None, -1
-    for d in run.glob("checkpoint_*"):
-        state = d / "trainer_state.json"
-        if state.is_file():
-            step = json.loads(state.read_text())["global_step"]
-            if step > best_step:
-                best, best_step = d, step
-    return Checkpoint.from_directory(str(best)) if best else None
+def ray_storage(out_dir) -> dict:
+    """RunConfig's storage_path (and storage_filesystem for a URI): out_dir/ray."""
+    loc = storage.join(out_dir, "ray")
+    if not storage.is_uri(loc):
+        return {"storage_path": str(loc)}
+    fs, path = storage.filesystem(loc)
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
-def train_progress(out_dir: Path):
+def latest_checkpoint(out_dir) -> tuple[int, str] | None:
+    """(step, location) of the newest checkpoint Ray Train persisted for this run, or None."""
+    run = storage.join(out_dir, "ray", RUN_NAME)
+    fs, path = storage.filesystem(run)
+    found = []
+    for d in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+        state = storage.join(run, d.base_name, "trainer_state.json")
+        if d.base_name.startswith("checkpoint_") and storage.is_file(state):
+            found.append((json.loads(storage.read_text(state))["global_step"], storage.redact(d.path)))
+    return max(found) if found else None
+
+
+def train_progress(files: storage.Mirror):
     """The trainer's progress.json (written by rank 0 at each log) -> (step, postfix) for the bar."""
-    path = out_dir / "progress.json"
-
     def poll():
+        path = files.pull("progress.json")
         if not path.is_file():
             return None
-        p = json.loads(path.read_text())
+        try:
+            p = json.loads(path.read_text())
+        except json.JSONDecodeError:  # caught mid-write on a shared disk: the next poll reads it
+            return None
         return p["step"], {"loss0": f"{p['loss'][0]:.3f}", "acc0": f"{p['acc'][0]:.2f}",
                            "tau": f"{p['sim_tau_train']:.2f}", "tok_s": f"{p['tokens_per_s']:.0f}"}
     return poll
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """Workers run elsewhere (another cwd, another node with the same shared paths): absolute paths only."""
-    data = {k: getattr(cfg.data, k).resolve() for k in ("shards", "pipeline") if getattr(cfg.data, k)}
+    """Workers run elsewhere (another cwd, another node with the same shared paths): absolute paths or URIs."""
+    absolute = lambda p: p if storage.is_uri(p) else p.resolve()  # noqa: E731
+    data = {k: absolute(getattr(cfg.data, k)) for k in ("shards", "pipeline") if getattr(cfg.data, k)}
     init = cfg.model.init_from.resolve() if cfg.model.init_from else None
-    return cfg.model_copy(update={"out_dir": cfg.out_dir.resolve(), "target": cfg.target.resolve(),
+    return cfg.model_copy(update={"out_dir": absolute(cfg.out_dir), "target": cfg.target.resolve(),
                                   "data": cfg.data.model_copy(update=data),
                                   "model": cfg.model.model_copy(update={"init_from": init})})
 
@@ -88,9 +100,10 @@ def run_training(cfg: TrainConfig) -> dict:
     from pipeline.cluster import ensure_ray, quiet_ray_data
 
     cfg = absolute_paths(cfg)
-    out_dir = cfg.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "progress.json").unlink(missing_ok=True)
+    storage.check("out_dir", cfg.out_dir, writable=True)  # before any work: one line naming the key
+    files = storage.Mirror(cfg.out_dir, "driver")
+    files.local.mkdir(parents=True, exist_ok=True)
+    files.forget("progress.json")
     where = ensure_ray(cfg.ray_address)
     quiet_ray_data()
     data = training_data(cfg)
@@ -102,13 +115,13 @@ def run_training(cfg: TrainConfig) -> dict:
     total = estimate_total_steps(cfg, data.length_files, set(data.val["id"].to_pylist()))
     print(f"trainer: {where}; {data.rows} rows, {data.tokens} tokens ({cfg.data.source}); {total} optimizer "
           f"steps on {cfg.scaling.num_workers} worker(s), ZeRO-{cfg.deepspeed.zero_stage}", flush=True)
-    resume = latest_checkpoint(out_dir / "ray")
+    resume = latest_checkpoint(cfg.out_dir)
     if resume:  # Ray Train V2 restores a run of the same name and storage path from its latest checkpoint
-        print(f"trainer: resuming from {resume.path}", flush=True)
+        print(f"trainer: resuming from {resume[1]} (step {resume[0]})", flush=True)
     loop_config = {"cfg": cfg, "val": ray.put(data.val), "total_steps": total, "d2t": d2t, "t2d": t2d,
                    "aux_layer_ids": data.signature["aux_layer_ids"], "storage_dtype": data.signature["dtype"]}
     t0 = time.time()
-    with progress_bar("train", total, train_progress(out_dir), unit="step"):
+    with progress_bar("train", total, train_progress(files), unit="step"):
         for phase in data.phases:
             fit(cfg, phase.dataset(), dict(loop_config, stop_epoch=phase.stop_epoch, cache_rows=not phase.live),
                 phase.live)
@@ -140,17 +153,23 @@ def fit(cfg: TrainConfig, dataset, loop_config: dict, live: bool = False) -> Non
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
         datasets={"train": dataset},
         dataset_config=DataConfig(execution_options=options),
-        run_config=RunConfig(name=RUN_NAME, storage_path=str(cfg.out_dir / "ray"),
+        run_config=RunConfig(name=RUN_NAME, **ray_storage(cfg.out_dir),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
                              failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
                              worker_runtime_env={"env_vars": env} if env else None)).fit()
 
 
 def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> dict:
-    """Export the best head in every configured format and write report.json."""
-    out_dir = cfg.out_dir
-    exports = {fmt: str(convert_head(out_dir / "best", spec, out_dir / f"head_{fmt}", fmt,
-                                     manifest["aux_layer_ids"])[0]) for fmt in cfg.export_formats}
+    """Export the best head in every configured format and write report.json (pushed to a URI out_dir)."""
+    files = storage.Mirror(cfg.out_dir, "driver")
+    out_dir = files.local
+    for rel in ("best", "history.json"):
+        files.pull(rel)
+    exports = {}
+    for fmt in cfg.export_formats:
+        convert_head(out_dir / "best", spec, out_dir / f"head_{fmt}", fmt, manifest["aux_layer_ids"])
+        files.push(f"head_{fmt}")
+        exports[fmt] = str(storage.join(cfg.out_dir, f"head_{fmt}"))
     history = json.loads((out_dir / "history.json").read_text()) if (out_dir / "history.json").is_file() else []
     train_recs = [h for h in history if "loss" in h]
     evals = [h for h in history if "sim_tau" in h]
@@ -163,4 +182,5 @@ def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> d
               "best": best, "evals": len(evals), "exports": exports, "formats": list(FORMATS),
               "options": cfg.model.head_options}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    files.push("report.json")
     return report

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.storage import Mirror
 from trainer.config import TrainConfig
 from trainer.cost import step_flops
 from trainer.data import Alone, EpochCache, MicroBatches, RankPace, batch_cost, collate
@@ -26,6 +27,14 @@ from trainer.target_parts import load_target_parts
 from trainer.ttt import StepSums, TTTObjective, target_distribution, target_rows
 
 STATE_FILE = "trainer_state.json"
+
+
+def run_files(cfg: TrainConfig) -> Mirror:
+    """Rank 0's files of the run (best/, progress, history, tensorboard, resumes): out_dir itself, or the
+    local mirror of a URI out_dir that each write is pushed from (pipeline/storage.py)."""
+    files = Mirror(cfg.out_dir, "rank0")
+    files.local.mkdir(parents=True, exist_ok=True)
+    return files
 CKPT_TAG = "ckpt"
 
 
@@ -140,9 +149,11 @@ class HeadTrainer:
         state = self.gathered_state()  # every rank joins the gather under ZeRO-3
         if self.rank != 0:
             return
-        out = Path(self.cfg.out_dir) / "best"
+        files = run_files(self.cfg)
+        out = files.local / "best"
         export_head(state, self.hcfg, self.aux_layer_ids, self.spec, out, self.cfg.export_formats[0])
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        files.push("best")
 
 
 class MetricWindow:
@@ -243,9 +254,11 @@ class TrainLoop:
                 self.run.engine.load_checkpoint(d, tag=CKPT_TAG)
                 self.state = json.loads((Path(d) / STATE_FILE).read_text())
             if self.run.rank == 0:  # a record of every restore (a worker or node lost, a rerun)
-                with open(Path(cfg.out_dir) / "resumes.jsonl", "a") as f:
+                files = run_files(cfg)
+                with open(files.pull("resumes.jsonl"), "a") as f:
                     f.write(json.dumps({"step": self.state["global_step"], "time": round(time.time(), 1)}) + "\n")
-        self.writer = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard")) if self.run.rank == 0 else None
+                files.push("resumes.jsonl")
+        self.writer = SummaryWriter(str(run_files(cfg).local / "tensorboard")) if self.run.rank == 0 else None
         self.shard = ray.train.get_dataset_shard("train")
         self.window = MetricWindow(cfg.model.ttt_length)
         start = self.state["global_step"]
@@ -321,7 +334,9 @@ class TrainLoop:
                 self.writer.add_scalar(f"acc/step{s}", rec["acc"][s], step)
             for k in ("lr", "grad_norm", "tokens_per_s", "sim_tau_train"):
                 self.writer.add_scalar(f"train/{k}", rec[k], step)
-            Path(self.cfg.out_dir, "progress.json").write_text(json.dumps(rec | {"total_steps": self.total}))
+            files = run_files(self.cfg)
+            (files.local / "progress.json").write_text(json.dumps(rec | {"total_steps": self.total}))
+            files.push("progress.json")
 
     def evaluate(self, step: int) -> None:
         ev = self.run.evaluate(self.val) | {"step": step}
@@ -390,7 +405,10 @@ class TrainLoop:
             self.checkpoint({"step": st["global_step"], "best_tau": st["best_tau"]})
         if self.writer:
             self.writer.close()
-            Path(self.cfg.out_dir, "history.json").write_text(json.dumps(st["history"], indent=1))
+            files = run_files(self.cfg)
+            (files.local / "history.json").write_text(json.dumps(st["history"], indent=1))
+            files.push("history.json")
+            files.push("tensorboard")
 
 
 def train_loop_per_worker(config: dict) -> None:

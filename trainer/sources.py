@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from pipeline import storage
 from pipeline.shards import read_manifest, shard_name, shard_ranges
+from pipeline.vocab import VOCAB_FILE
 from trainer.config import TrainConfig
 from trainer.data import drop_ids, shard_files, val_rows
 
@@ -48,15 +49,23 @@ def _without(ds, held_out: list[str]):
     return ds.map_batches(drop_ids, batch_format="pyarrow", fn_kwargs={"ids": held_out}) if held_out else ds
 
 
-def parquet_data(shards: Path, n_val: int) -> TrainingData:
+def read_shards(files: list[str]):
+    """A Ray Data dataset over shard files (paths or URIs of one filesystem), read on any node."""
     import ray
 
+    fs, _ = storage.filesystem(files[0])
+    return ray.data.read_parquet([storage.filesystem(f)[1] for f in files], filesystem=fs)
+
+
+def parquet_data(shards, n_val: int) -> TrainingData:
+    storage.check("data.shards", shards, must_exist=True)
     manifest = read_manifest(shards)
     files = shard_files(shards, manifest)
-    val = val_rows(files, n_val) if n_val else pq.read_table(files[0]).slice(0, 0)
+    val = val_rows(files, n_val) if n_val else storage.read_table(files[0]).slice(0, 0)
     held = val["id"].to_pylist()
-    return TrainingData(manifest, shards, files, val, manifest["rows"], manifest["tokens"],
-                        [Phase(lambda: _without(ray.data.read_parquet(files), held))])
+    vocab_dir = storage.Mirror(shards).pull(VOCAB_FILE).parent
+    return TrainingData(manifest, vocab_dir, files, val, manifest["rows"], manifest["tokens"],
+                        [Phase(lambda: _without(read_shards(files), held))])
 
 
 def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
@@ -73,11 +82,13 @@ def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
     if pcfg.target.resolve() != cfg.target.resolve():
         raise ValueError(f"data.pipeline: its target {pcfg.target} is not the trainer's target {cfg.target}")
     run_pipeline(pcfg.model_copy(update={"capture": pcfg.capture.model_copy(update={"enabled": False})}))
-    tokens, out_dir = pcfg.stage_dir("tokenize") / "tokens.parquet", pcfg.stage_dir("capture")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # Paths or URIs: capture's actors read the tokens and (hybrid) write the shards where run_dir is.
+    tokens, out_dir = storage.join(pcfg.stage_dir("tokenize"), "tokens.parquet"), pcfg.stage_dir("capture")
+    if not storage.is_uri(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
     cap = pcfg.capture
     signature = make_signature(pcfg.target, cap, tokens_max_length(tokens))
-    n = pq.read_metadata(tokens).num_rows
+    n = storage.parquet_file(tokens).metadata.num_rows
     ranges = shard_ranges(n, cap.rows_per_shard)
     k = min(cfg.data.val_rows, n)
     if k:
@@ -91,16 +102,16 @@ def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
         mode = "write_rows" if hybrid else "stream"
         return _without(capture_dataset(cap, pcfg.target, tokens, ranges, signature, out_dir, mode), held)
 
-    n_tokens = int(pa.compute.sum(pq.read_table(tokens, columns=["n_tokens"])["n_tokens"]).as_py())
-    data = TrainingData(signature, out_dir, [str(tokens)], val, n, n_tokens)
+    n_tokens = int(pa.compute.sum(storage.read_table(tokens, columns=["n_tokens"])["n_tokens"]).as_py())
+    data = TrainingData(signature, storage.Mirror(out_dir).pull(VOCAB_FILE).parent, [str(tokens)], val, n, n_tokens)
     if not hybrid:
         data.phases.append(Phase(stream, live=True))
         return data
-    files = [str(out_dir / shard_name(i)) for i, _, _ in ranges]
+    files = [str(storage.join(out_dir, shard_name(i))) for i, _, _ in ranges]
     manifest = lambda: write_manifest(out_dir, ranges, signature, pcfg.target, pcfg.model_dump(mode="json"))  # noqa: E731
     data.phases.append(Phase(stream, stop_epoch=1, after=manifest, live=True))
     if cfg.epochs > 1:
-        data.phases.append(Phase(lambda: _without(ray.data.read_parquet(files), held)))
+        data.phases.append(Phase(lambda: _without(read_shards(files), held)))
     return data
 
 
