@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="only check that every ingest source exists (one line naming the first missing file), then exit")
     args = ap.parse_args(argv)
     if args.check_sources:  # before a long run (make real): stop at once on a corpus the clone lacks
+        from pipeline.ingest import source_files
+
         ingest = load_or_exit(Ingest, args.config, args.overrides, section="ingest")
-        print(f"{args.config}: {len(ingest.sources)} ingest source(s) found")
+        with errors_exit("pipeline", catch=(ValueError,)):  # a URI source: reachable, matching files
+            files = [f for i, s in enumerate(ingest.sources) for f in source_files(f"ingest.sources.{i}.path", s.path)]
+        print(f"{args.config}: {len(ingest.sources)} ingest source(s) found ({len(files)} file(s))")
         return {"sources": len(ingest.sources)}
     cfg = load_or_exit(PipelineConfig, args.config, args.overrides)
     with errors_exit("pipeline", catch=(ValueError,)):  # bad settings, empty data: one line, exit 1
@@ -44,13 +48,16 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
     mirror (pipeline/storage.py Mirror), each stage's folder pushed when it ends, and capture's actors
     read the tokens and write the shards at the URI itself, the manifest last."""
     from pipeline.capture import run_capture
-    from pipeline.ingest import run_ingest
+    from pipeline.ingest import run_ingest, source_files
     from pipeline.plan import estimate_storage
     from pipeline.regenerate import run_regenerate
     from pipeline.tokenize import inspect, run_tokenize
     from pipeline.vocab import run_vocab
 
     storage.check("run_dir", cfg.run_dir, writable=True)
+    if cfg.ingest.enabled:  # every source found before any work (a URI's bucket, a glob's files)
+        for i, s in enumerate(cfg.ingest.sources):
+            source_files(f"ingest.sources.{i}.path", s.path)
     mirror, remote = storage.Mirror(cfg.run_dir), cfg.run_dir
     provenance = json.loads(cfg.model_dump_json())
     cfg = cfg.model_copy(update={"run_dir": mirror.local})

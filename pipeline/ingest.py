@@ -70,7 +70,7 @@ def source_files(key: str, loc) -> list:
         storage.check(key, loc, must_exist=not storage.has_glob(loc))
     files = storage.expand(loc)
     if not files:
-        raise storage.StorageError(f"{key}: no file matches {storage.redact(loc)}")
+        raise storage.StorageError(f"{key}: {storage.redact(loc)}: no file matches")
     return [f if storage.is_uri(f) else str(Path(f).resolve()) for f in files]
 
 

@@ -13,6 +13,12 @@ TOOLS = REPO / "tools"
 sys.path.insert(0, str(TOOLS))
 
 import pipeline.cluster  # noqa: E402,F401 - sets Ray's environment (pipeline.cluster.RAY_ENV) before Ray starts
+from local_cluster import S3_CREDENTIALS  # noqa: E402
+
+# The local S3 server's credentials (tests/test_storage.py), set before the session's Ray starts so its
+# workers inherit them; each test URI names the server's endpoint in its query.
+for _k, _v in S3_CREDENTIALS.items():
+    os.environ.setdefault(_k, _v)
 
 
 @pytest.fixture(scope="session")

@@ -101,6 +101,8 @@ def run_training(cfg: TrainConfig) -> dict:
 
     cfg = absolute_paths(cfg)
     storage.check("out_dir", cfg.out_dir, writable=True)  # before any work: one line naming the key
+    if cfg.data.source == "parquet":
+        storage.check("data.shards", cfg.data.shards, must_exist=True)
     files = storage.Mirror(cfg.out_dir, "driver")
     files.local.mkdir(parents=True, exist_ok=True)
     files.forget("progress.json")
