@@ -14,7 +14,9 @@ from pydantic import Field
 
 from infer.generate import SpecSettings
 from pipeline.cluster import ensure_ray
-from pipeline.yaml_config import ExistingPath, StrictModel, config_arguments, errors_exit, load_or_exit
+from pipeline import storage
+from pipeline.yaml_config import (ExistingPath, InputLocation, Location, StrictModel, config_arguments, errors_exit,
+                                  load_or_exit)
 
 
 class Bench(StrictModel):
@@ -35,8 +37,8 @@ class Sweep(StrictModel):
 
 class EvalConfig(StrictModel):
     target: ExistingPath
-    head: ExistingPath
-    out_dir: Path = Path("runs/eval")
+    head: InputLocation                   # a head folder or a URI (pipeline/storage.py)
+    out_dir: Location = Path("runs/eval")  # report.json, report.md, plots: a folder or a URI
     benchmarks: list[Bench]
     decode: SpecSettings = SpecSettings()  # mode tree (or chain); vanilla runs beside it with the same limits
     dtype: Literal["float32", "bfloat16"] = "float32"  # target + head; bf16 on CPU: packed oneDNN linears
@@ -59,7 +61,7 @@ class EvalWorker:
 
         if threads:
             torch.set_num_threads(threads)
-        self.gen = EagleGenerator.from_folders(target, head, dtype=getattr(torch, dtype),
+        self.gen = EagleGenerator.from_folders(target, storage.Mirror.folder(head, "eval"), dtype=getattr(torch, dtype),
                                                device="cuda" if use_gpu else "cpu")
 
     def run(self, bench: str, item: dict, settings: dict) -> list[dict]:
@@ -108,16 +110,19 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     from infer.report import aggregate, write_report
 
+    storage.check("head", cfg.head, must_exist=True)  # before any work: one line naming the key
+    storage.check("out_dir", cfg.out_dir, writable=True)
     print(f"eval: {ensure_ray(cfg.ray_address)}", flush=True)
     items = load_items(cfg)
     worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor,
                         resources=cfg.resources_per_actor)(EvalWorker)
-    actors = [worker.remote(str(cfg.target.resolve()), str(cfg.head.resolve()), cfg.threads_per_actor,
+    head = cfg.head if storage.is_uri(cfg.head) else str(cfg.head.resolve())
+    actors = [worker.remote(str(cfg.target.resolve()), head, cfg.threads_per_actor,
                             cfg.gpus_per_actor > 0, cfg.dtype) for _ in range(cfg.num_actors)]
     pool = ActorPool(actors)
     settings = cfg.decode.model_dump()
     jobs = [(name, it) for name, its in items.items() for it in its]
-    report = {"target": str(cfg.target), "head": str(cfg.head), "settings": settings,
+    report = {"target": str(cfg.target), "head": storage.redact(cfg.head), "settings": settings,
               "benchmarks": aggregate(run_items(pool, jobs, settings, "eval"), cfg.decode.depth)}
     if cfg.sweep.enabled:
         sub = [(name, it) for name, its in items.items() for it in its[: cfg.sweep.prompts]]
@@ -129,7 +134,10 @@ def evaluate(cfg: EvalConfig) -> dict:
                                     "speedup": agg["speedup"], "match_rate": agg["match_rate"]})
     for a in actors:
         ray.kill(a)
-    return write_report(cfg.out_dir, report)
+    files = storage.Mirror(cfg.out_dir)
+    report = write_report(files.local, report)
+    files.push()
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         report = evaluate(cfg)
     per = "; ".join(f"{n} tau {b['tau']:.2f}, {b['speedup']:.2f}x, identical {b['match_rate']:.0%}"
                     for n, b in report["benchmarks"].items())
-    print(f"[eval] {per}; {cfg.out_dir / 'report.md'}", flush=True)
+    print(f"[eval] {per}; {storage.redact(storage.join(cfg.out_dir, 'report.md'))}", flush=True)
     return report
 
 

@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 import uuid
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -24,7 +25,8 @@ from infer.openai_api import (SSE_DONE, ChatRequest, CompletionRequest, RequestE
                               make_api, response_body, sse_chunk)
 from pipeline.cluster import ensure_ray
 from pipeline.config import VllmEngine
-from pipeline.yaml_config import ExistingPath, StrictModel, config_arguments, load_or_exit
+from pipeline import storage
+from pipeline.yaml_config import ExistingPath, InputLocation, StrictModel, config_arguments, load_or_exit
 
 
 class VllmServe(VllmEngine):
@@ -40,7 +42,7 @@ class ServeConfig(StrictModel):
     backend: Literal["eagleray", "vllm"] = "eagleray"  # eagleray: our tree decoder, batch 1 per replica;
     #                                                    vllm: Ray Serve LLM + vLLM, continuous batching, chains
     target: ExistingPath
-    head: ExistingPath | None = None           # None: vanilla decoding of the target
+    head: InputLocation | None = None          # a head folder or URI; None: vanilla decoding of the target
     model_name: str = "eagleray"
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)
@@ -108,7 +110,8 @@ def _load_generator(cfg: ServeConfig):
     if cfg.threads_per_replica:
         torch.set_num_threads(cfg.threads_per_replica)
     device = "cuda" if cfg.num_gpus_per_replica > 0 else "cpu"
-    gen = EagleGenerator.from_folders(cfg.target, cfg.head, dtype=getattr(torch, cfg.dtype), device=device)
+    head = storage.Mirror.folder(cfg.head, "serve") if cfg.head else None  # each replica, on its node
+    gen = EagleGenerator.from_folders(cfg.target, head, dtype=getattr(torch, cfg.dtype), device=device)
     spec = cfg.speculative
     if spec.sizing == "cost" and gen.draft is not None:  # measured here, not on the first request
         gen.round_costs(1 if spec.mode == "chain" else spec.top_k)
@@ -248,12 +251,17 @@ class EagleServer:
 
     @api.get("/health")
     async def health(self):
-        return {"status": "ok", "head": str(self.cfg.head) if self.cfg.head else None}
+        return {"status": "ok", "head": storage.redact(self.cfg.head) if self.cfg.head else None}
+
+
+def absolute(loc):
+    """A path made absolute (replicas run in other folders); a URI as it is."""
+    return None if loc is None else loc if storage.is_uri(loc) else Path(loc).resolve()
 
 
 def build_application(cfg: ServeConfig):
     """The `eagleray` backend's Serve application: EagleServer sized from the config."""
-    cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": cfg.head.resolve() if cfg.head else None})
+    cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": absolute(cfg.head)})
     return EagleServer.options(
         num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.num_cpus_per_replica, "num_gpus": cfg.num_gpus_per_replica,
@@ -276,6 +284,8 @@ def start(cfg: ServeConfig, blocking: bool = False):
     from pipeline.cluster import verbose
 
     cfg = with_api_key(cfg)
+    if cfg.head:
+        storage.check("head", cfg.head, must_exist=True)  # before any work: one line naming the key
     ensure_ray(cfg.ray_address)
     if not verbose():  # Serve's start-up INFO lines on the driver (proxy, controller, app deployed)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -284,7 +294,8 @@ def start(cfg: ServeConfig, blocking: bool = False):
     if cfg.backend == "vllm":
         from infer.serve_vllm import build_vllm_application
 
-        cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": cfg.head.resolve() if cfg.head else None})
+        head = storage.Mirror.folder(cfg.head, "serve") if cfg.head else None  # vLLM reads a local folder
+        cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": head})
         app = build_vllm_application(cfg)
     else:
         app = build_application(cfg)

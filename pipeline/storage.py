@@ -1,4 +1,4 @@
-"""Where files live: a local path or a URI, through pyarrow's filesystems (docs/ARCHITECTURE.md §13).
+"""Where files live: a local path or a URI, through pyarrow's filesystems (docs/ARCHITECTURE.md §11).
 
 A location is a `Path` (local) or a URI string (`s3://bucket/prefix`, `gs://...`, `hdfs://...`). S3 takes
 its endpoint, scheme, region and credentials from the URI's query (`?endpoint_override=host:port&
@@ -37,6 +37,8 @@ def is_uri(loc) -> bool:
 
 def location(value) -> Path | str:
     """A config value -> a `Path` (local; `file://` stripped) or a URI string without a trailing slash."""
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"expected a path or a URI, got {type(value).__name__}")
     s = str(value)
     if s.startswith("file://"):
         return Path(s[len("file://"):])
@@ -272,6 +274,23 @@ class Mirror:
         if self.remote and src.exists():
             fs, path = filesystem(join(self.loc, rel) if rel else self.loc)
             pafs.copy_files(str(src), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+    @staticmethod
+    def folder(loc, tag: str = "") -> Path:
+        """A folder to read locally (a head, say): `loc` itself, or a URI's files pulled into a folder of
+        this process's own (removed when it exits), so replicas on one machine never read a half-pulled copy."""
+        if not is_uri(loc):
+            return Path(loc).resolve()
+        import atexit
+        import shutil
+        import tempfile
+
+        root = cache_root() / "pulled"
+        root.mkdir(parents=True, exist_ok=True)
+        mirror = Mirror(loc)
+        mirror.local = Path(tempfile.mkdtemp(prefix=f"{tag or 'copy'}-", dir=root))
+        atexit.register(shutil.rmtree, mirror.local, True)
+        return mirror.pull()
 
     def forget(self, rel: str) -> None:
         """Remove a file here and at the URI."""

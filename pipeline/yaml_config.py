@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Sequence, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer, PlainValidator, ValidationError
 
 from pipeline import storage
 
@@ -48,8 +48,9 @@ def _input_location(value):
 
 
 # Where a stage writes (Location) or reads (InputLocation): a local Path or a URI string (pipeline/storage.py).
-Location = Annotated[Path | str, BeforeValidator(lambda v: storage.location(v))]
-InputLocation = Annotated[Path | str, BeforeValidator(_input_location)]
+_AS_STR = PlainSerializer(str, return_type=str, when_used="json")
+Location = Annotated[Path | str, PlainValidator(storage.location), _AS_STR]
+InputLocation = Annotated[Path | str, PlainValidator(_input_location), _AS_STR]
 
 T = TypeVar("T", bound=BaseModel)
 

@@ -192,3 +192,24 @@ def test_trainer_reads_shards_and_keeps_checkpoints_on_s3(tmp_path, ray_cluster,
     state, _, aux = import_head(head, yaml.safe_load((tiny_target / "config.json").read_text())["num_hidden_layers"])
     assert aux == json.loads(storage.read_text(storage.join(shards, "manifest.json")))["aux_layer_ids"]
     assert state["fc.weight"].shape[1] == 3 * state["fc.weight"].shape[0]
+
+
+@pytest.mark.slow
+def test_eval_reads_a_head_from_s3_and_writes_its_report_there(tmp_path, ray_cluster, s3, data_dir, tiny_target,
+                                                                 tiny_head, monkeypatch):
+    """The eval actor pulls the head from the URI on its node; report.json, report.md and the plots land
+    at the URI; decoding stays lossless."""
+    from infer.eval import main
+
+    monkeypatch.setenv("EAGLERAY_CACHE", str(tmp_path / "cache"))
+    head, out = s3.uri("eagleray/eval/head"), s3.uri("eagleray/eval/report")
+    upload_dir(tiny_head, head)
+    report = main([str(write_yaml(tmp_path / "eval.yaml", {
+        "target": str(tiny_target), "head": head, "out_dir": out,
+        "benchmarks": [{"name": "gsm8k", "kind": "gsm8k", "path": str(data_dir / "gsm8k/test.jsonl"), "limit": 2}],
+        "decode": {"top_k": 3, "depth": 3, "total_tokens": 8, "max_new_tokens": 16}}))])
+    assert report["benchmarks"]["gsm8k"]["match_rate"] == 1.0 and report["benchmarks"]["gsm8k"]["prompts"] == 2
+    names = storage.list_names(out)
+    assert {"report.json", "report.md"} <= set(names) and any(n.endswith(".png") for n in names), names
+    remote = json.loads(storage.read_text(storage.join(out, "report.json")))
+    assert remote["benchmarks"] == report["benchmarks"] and remote["head"].startswith("s3://eagleray/eval/head")

@@ -3,24 +3,30 @@ worker node killed (`kill -9` of its raylet) in the middle of capture, of traini
 (issue 51; docs/USAGE.md "On a cluster").
 
 Work goes to the worker nodes through their custom resource (`eagleray_worker: 1`: one actor, train worker
-or replica per worker node); the head runs the job drivers. Every path is absolute on this machine's disk,
-which all three nodes share here (storage by URI, for nodes without a shared disk, is not built yet).
+or replica per worker node); the head runs the job drivers. Every stage's data lives on S3 (moto's server,
+`S3Server`, started beside the nodes; each node gets its endpoint and credentials in its environment, as a
+real cluster's nodes would): the corpus, run_dir and shards, the trainer's out_dir with Ray Train's
+checkpoints, the head, the eval report. Only the target and the configs are local files.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
+import os
+
+import pyarrow.fs as pafs
 import yaml
 
-from local_cluster import ROOT, LocalCluster, free_port
+from local_cluster import ROOT, LocalCluster, S3Server, free_port
+from pipeline import storage
+
+BUCKET = "s3://eagleray/check"
 
 ON_WORKERS = {"eagleray_worker": 1}
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -44,7 +50,7 @@ def make_inputs(folder: Path) -> tuple[Path, Path]:
     return corpus / "train.jsonl", target
 
 
-def pipeline_tree(run_dir: Path, target: Path, corpus: Path, records: int, regenerate: bool = True) -> dict:
+def pipeline_tree(run_dir: str, target: Path, corpus: str, records: int, regenerate: bool = True) -> dict:
     """Every stage, its actors one per worker node; capture cut small (4 rows a shard) so a kill lands mid-way."""
     actors = {"num_actors": 2, "num_cpus_per_actor": 0.5, "threads_per_actor": 1, "resources_per_actor": ON_WORKERS}
     return {"run_dir": str(run_dir), "target": str(target),
@@ -75,13 +81,18 @@ def run_job(cl: LocalCluster, name: str, entrypoint: list[str], out: Path, durin
     return status, extra
 
 
-def shard_digests(capture: Path) -> dict:
-    man = json.loads((capture / "manifest.json").read_text())
-    return {"rows": man["rows"], "tokens": man["tokens"],
+def shard_digests(capture: str) -> dict:
+    """The manifest's counts and row digests, and every shard file's bytes and ids as found at the URI."""
+    man = json.loads(storage.read_text(storage.join(capture, "manifest.json")))
+    files = storage.list_names(capture, "shard-*.parquet")
+    return {"rows": man["rows"], "tokens": man["tokens"], "files": len(files),
             "rows_digests": {s["file"]: s["rows_digest"] for s in man["shards"]},
-            "bytes": {s["file"]: hashlib.sha256((capture / s["file"]).read_bytes()).hexdigest()
-                      for s in man["shards"]},
-            "ids": pq.read_table(sorted(capture.glob("shard-*.parquet")), columns=["id"])["id"].to_pylist()}
+            "bytes": {f: hashlib.sha256(storage.read_bytes(storage.join(capture, f))).hexdigest() for f in files},
+            "ids": [i for f in files for i in storage.read_table(storage.join(capture, f), ["id"])["id"].to_pylist()]}
+
+
+def read_json(loc, default=None):
+    return json.loads(storage.read_text(loc)) if storage.is_file(loc) else default
 
 
 def kill_when(cl: LocalCluster, node: str, ready, what: str, wait_s: float = 600, down_s: float = 4,
@@ -104,23 +115,23 @@ def kill_when(cl: LocalCluster, node: str, ready, what: str, wait_s: float = 600
 def capture_fault(cl: LocalCluster, out: Path, corpus: Path, target: Path, records: int, baseline: dict,
                   regenerate: bool = True) -> dict:
     """The pipeline again, worker1 killed once 3 shards are written; its manifest against `baseline`'s."""
-    run_dir = out / "pipeline_fault"
+    run_dir = f"{BUCKET}/pipeline_fault"
     cfg = write_yaml(out / "pipeline_fault.yaml", pipeline_tree(run_dir, target, corpus, records, regenerate))
-    written = lambda: len(list((run_dir / "capture").glob("shard-*.parquet")))  # noqa: E731
+    written = lambda: len(storage.list_names(f"{run_dir}/capture", "shard-*.parquet"))  # noqa: E731
     status, kill = run_job(cl, "pipeline_fault", ["python", "-m", "pipeline", str(cfg)], out,
                            during=lambda c: kill_when(c, "worker1", lambda: written() >= 3, "capture",
                                                       progress=written))
     res = {"job": status, **(kill or {}), "rows_expected": baseline["rows"]}
-    if (run_dir / "capture" / "manifest.json").is_file():
-        found = shard_digests(run_dir / "capture")
+    if storage.is_file(f"{run_dir}/capture/manifest.json"):
+        found = shard_digests(f"{run_dir}/capture")
         res |= {"rows_found": found["rows"], "tokens_equal": found["tokens"] == baseline["tokens"],
-                "duplicates": len(found["ids"]) - len(set(found["ids"])),
+                "duplicates": len(found["ids"]) - len(set(found["ids"])), "shard_files": found["files"],
                 "digests_equal": found["rows_digests"] == baseline["rows_digests"],
                 "bytes_equal": found["bytes"] == baseline["bytes"]}
     return res
 
 
-def train_tree(out_dir: Path, target: Path, shards: Path) -> dict:
+def train_tree(out_dir: str, target: Path, shards: str) -> dict:
     return {"target": str(target), "out_dir": str(out_dir),
             "data": {"shards": str(shards), "max_rows_per_batch": 4, "val_rows": 8},
             "model": {"ttt_length": 3}, "optim": {"lr": 5e-3}, "max_steps": 60, "epochs": 30,
@@ -129,28 +140,30 @@ def train_tree(out_dir: Path, target: Path, shards: Path) -> dict:
                         "resources_per_worker": ON_WORKERS, "max_failures": 3}}
 
 
-def latest_step(out_dir: Path) -> int:
-    steps = [json.loads(p.read_text())["global_step"] for p in (out_dir / "ray" / "train").glob("checkpoint_*/trainer_state.json")]
+def latest_step(out_dir: str) -> int:
+    """The newest checkpoint's step at the URI (Ray Train's storage), 0 before the first."""
+    fs, path = storage.filesystem(f"{out_dir}/ray/train")
+    steps = [read_json(f"{out_dir}/ray/train/{d.base_name}/trainer_state.json", {}).get("global_step", 0)
+             for d in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)) if d.base_name.startswith("checkpoint_")]
     return max(steps, default=0)
 
 
-def train_fault(cl: LocalCluster, out: Path, target: Path, shards: Path) -> tuple[str, dict]:
-    out_dir = out / "train"
+def train_fault(cl: LocalCluster, out: Path, target: Path, shards: str) -> tuple[str, dict]:
+    out_dir = f"{BUCKET}/train"
     cfg = write_yaml(out / "train.yaml", train_tree(out_dir, target, shards))
     status, kill = run_job(cl, "trainer", ["python", "-m", "trainer", str(cfg)], out,
                            during=lambda c: kill_when(c, "worker2", lambda: latest_step(out_dir) >= 20, "step 20",
                                                       progress=lambda: latest_step(out_dir)))
-    resumes = [json.loads(x) for x in (out_dir / "resumes.jsonl").read_text().splitlines()] \
-        if (out_dir / "resumes.jsonl").is_file() else []
-    report = json.loads((out_dir / "report.json").read_text()) if (out_dir / "report.json").is_file() else {}
-    history = json.loads((out_dir / "history.json").read_text()) if (out_dir / "history.json").is_file() else []
+    resumes = [json.loads(x) for x in storage.read_text(f"{out_dir}/resumes.jsonl").splitlines()] \
+        if storage.is_file(f"{out_dir}/resumes.jsonl") else []
+    report, history = read_json(f"{out_dir}/report.json", {}), read_json(f"{out_dir}/history.json", [])
     steps = [h["step"] for h in history if "loss" in h]
     return status, {**(kill or {}), "resumed_from_step": resumes[-1]["step"] if resumes else None,
                     "final_step": report.get("steps"), "steps_logged_twice": len(steps) - len(set(steps)),
-                    "exported": (out_dir / "head_speculators" / "config.json").is_file()}
+                    "exported": storage.is_file(f"{out_dir}/head_speculators/config.json")}
 
 
-def eval_tree(out_dir: Path, target: Path, head: Path) -> dict:
+def eval_tree(out_dir: str, target: Path, head: str) -> dict:
     return {"target": str(target), "head": str(head), "out_dir": str(out_dir),
             "benchmarks": [{"name": "mt_bench", "kind": "mt_bench", "path": str(ROOT / "data/mt_bench/question.jsonl"),
                             "limit": 2}, {"name": "gsm8k", "kind": "gsm8k", "path": str(ROOT / "data/gsm8k/test.jsonl"),
@@ -195,7 +208,7 @@ def running(cl: LocalCluster, app: str = "eagleray") -> int:
     return sum(1 for d in deps.values() for rep in d.get("replicas", []) if rep.get("state") == "RUNNING")
 
 
-def serve_fault(cl: LocalCluster, out: Path, target: Path, head: Path) -> tuple[str, dict]:
+def serve_fault(cl: LocalCluster, out: Path, target: Path, head: str) -> tuple[str, dict]:
     port, key = free_port(), "cluster-check-key"
     cfg = write_yaml(out / "serve.yaml", {
         "target": str(target), "head": str(head), "model_name": "eagleray-check", "host": "127.0.0.1", "port": port,
@@ -250,25 +263,23 @@ def throughput(cl: LocalCluster, out: Path, target: Path, corpus: Path, records:
     one, both = {"eagleray_worker1": 1}, ON_WORKERS
     cap, train = {}, {}
     for nodes, res in ((1, one), (2, both)):
-        run_dir = out / f"capture_{nodes}node"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        (run_dir / "tokenize").mkdir(parents=True)
-        shutil.copy(out / "pipeline" / "tokenize" / "tokens.parquet", run_dir / "tokenize" / "tokens.parquet")
+        run_dir = f"{BUCKET}/capture_{nodes}node"
+        storage.write_bytes(f"{run_dir}/tokenize/tokens.parquet",
+                            storage.read_bytes(f"{BUCKET}/pipeline/tokenize/tokens.parquet"))
         tree = pipeline_tree(run_dir, target, corpus, records, regenerate=False)
         tree["ingest"]["enabled"] = False
         tree["tokenize"]["enabled"] = tree["vocab"]["enabled"] = False
         tree["capture"] |= {"num_actors": nodes, "resources_per_actor": res}
         cfg = write_yaml(out / f"capture_{nodes}node.yaml", tree)
         status, _ = run_job(cl, f"capture_{nodes}node", ["python", "-m", "pipeline", str(cfg)], out)
-        c = json.loads((run_dir / "summary.json").read_text())["capture"] if status == "SUCCEEDED" else {}
+        c = read_json(f"{run_dir}/summary.json", {}).get("capture") if status == "SUCCEEDED" else {}
         cap[nodes] = round(c["tokens"] / c["wall_s"], 1) if c else None
-        t_out = out / f"train_{nodes}node"
-        shutil.rmtree(t_out, ignore_errors=True)
-        t = train_tree(t_out, target, out / "pipeline" / "capture")
+        t_out = f"{BUCKET}/train_{nodes}node"
+        t = train_tree(t_out, target, f"{BUCKET}/pipeline/capture")
         t |= {"max_steps": 30, "checkpoint_every": 30, "eval_every": 30}
         t["scaling"] |= {"num_workers": nodes, "resources_per_worker": res, "max_failures": 0}
         status, _ = run_job(cl, f"train_{nodes}node", ["python", "-m", "trainer", str(write_yaml(out / f"train_{nodes}node.yaml", t))], out)
-        r = json.loads((t_out / "report.json").read_text()) if status == "SUCCEEDED" else {}
+        r = read_json(f"{t_out}/report.json", {}) if status == "SUCCEEDED" else {}
         train[nodes] = r.get("tokens_per_s")
     ratio = lambda d: round(d[2] / d[1], 3) if d.get(1) and d.get(2) else None  # noqa: E731
     return ({"one_node_tokens_per_s": cap[1], "two_nodes_tokens_per_s": cap[2], "ratio": ratio(cap)},
@@ -281,19 +292,22 @@ def run_check(args) -> dict:
     t0 = time.time()
     corpus, target = make_inputs(out / "inputs")
     records = 64
-    result: dict = {"jobs": {}}
-    with LocalCluster(Path(args.dir), workers=args.workers) as cl:
+    result: dict = {"jobs": {}, "storage": BUCKET}
+    with S3Server() as s3, LocalCluster(Path(args.dir), workers=args.workers, env=s3.env) as cl:
+        os.environ.update(s3.env)  # this process reads the results from the same store
+        storage.write_bytes(f"{BUCKET}/corpus/train.jsonl", corpus.read_bytes())
+        corpus = f"{BUCKET}/corpus/train.jsonl"
         result["nodes"] = len(cl.alive_nodes())
         result["ray_rss_mb_at_start"] = node_rss_mb(cl)
-        cfg = write_yaml(out / "pipeline.yaml", pipeline_tree(out / "pipeline", target, corpus, records))
+        cfg = write_yaml(out / "pipeline.yaml", pipeline_tree(f"{BUCKET}/pipeline", target, corpus, records))
         result["jobs"]["pipeline"] = run_job(cl, "pipeline", ["python", "-m", "pipeline", str(cfg)], out)[0]
-        shards = out / "pipeline" / "capture"
+        shards = f"{BUCKET}/pipeline/capture"
         if result["jobs"]["pipeline"] == "SUCCEEDED":
             result["capture_fault"] = capture_fault(cl, out, corpus, target, records, shard_digests(shards))
             result["jobs"]["trainer"], result["train_fault"] = train_fault(cl, out, target, shards)
-        head = out / "train" / "head_speculators"
+        head = f"{BUCKET}/train/head_speculators"
         if result["jobs"].get("trainer") == "SUCCEEDED":
-            ecfg = write_yaml(out / "eval.yaml", eval_tree(out / "eval", target, head))
+            ecfg = write_yaml(out / "eval.yaml", eval_tree(f"{BUCKET}/eval", target, head))
             result["jobs"]["eval"] = run_job(cl, "eval", ["python", "-m", "infer.eval", str(ecfg)], out)[0]
             result["jobs"]["serve"], result["serve_fault"] = serve_fault(cl, out, target, head)
         if args.throughput and result["jobs"]["pipeline"] == "SUCCEEDED":

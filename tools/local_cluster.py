@@ -195,9 +195,10 @@ class LocalCluster:
     """A head and `workers` worker nodes under `root` (one temp dir per node). Context manager: stops on exit."""
 
     def __init__(self, root: Path | None = None, workers: int = 2, head_cpus: float = 1, worker_cpus: float = 2,
-                 object_store_mb: int = 512):
+                 object_store_mb: int = 512, env: dict | None = None):
+        """`env`: more environment for every node and job (S3Server.env: the store the nodes share)."""
         self.root = Path(root or tempfile.mkdtemp(prefix="er-cluster-", dir="/tmp"))
-        self.env = ray_env()
+        self.env = {**ray_env(), **(env or {})}
         self.nodes = [Node("head", str(self.root / "head"), head_cpus, object_store_mb,
                            {"eagleray_head": 1}, head=True)]
         self.nodes += [Node(f"worker{i}", str(self.root / f"worker{i}"), worker_cpus, object_store_mb,
