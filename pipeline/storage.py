@@ -16,6 +16,7 @@ import glob as globlib
 import hashlib
 import os
 import re
+import shutil
 from functools import lru_cache
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode
@@ -254,16 +255,22 @@ class Mirror:
         """`tag` keeps the mirrors of processes that share a machine apart (the trainer's driver, its rank 0)."""
         self.loc = location(loc)
         self.remote = is_uri(self.loc)
-        key = hashlib.sha256(str(self.loc).partition("?")[0].encode()).hexdigest()[:16]
+        key = hashlib.sha256(redact(self.loc).encode()).hexdigest()[:16]  # the endpoint counts, secrets not
         self.local = cache_root() / "mirror" / (key + (f"-{tag}" if tag else "")) if self.remote else Path(self.loc)
 
     def pull(self, rel: str = "") -> Path:
-        """Copy `rel` (a file or a folder; all when empty) from the URI, if it is there. -> its local path."""
+        """Copy `rel` (a file or a folder; all when empty) from the URI; a local copy of what the URI no
+        longer has is removed (a mirror left by an earlier run never passes for this one's). -> its local path."""
         dst = self.local / rel if rel else self.local
         if self.remote:
             fs, path = filesystem(join(self.loc, rel) if rel else self.loc)
             kind = fs.get_file_info(path).type
-            if kind != pafs.FileType.NotFound:
+            if kind == pafs.FileType.NotFound:
+                if dst.is_dir():
+                    shutil.rmtree(dst)
+                elif dst.exists():
+                    dst.unlink()
+            else:
                 (dst.parent if kind == pafs.FileType.File else dst).mkdir(parents=True, exist_ok=True)
                 pafs.copy_files(path, str(dst), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         return dst
@@ -282,7 +289,6 @@ class Mirror:
         if not is_uri(loc):
             return Path(loc).resolve()
         import atexit
-        import shutil
         import tempfile
 
         root = cache_root() / "pulled"

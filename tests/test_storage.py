@@ -54,6 +54,9 @@ def test_files_read_write_list_glob_and_mirror(where, tmp_path, s3, monkeypatch)
     m.push("new.txt")
     assert storage.read_text(storage.join(base, "a", "new.txt")) == "pushed"
     assert m.remote == (where == "s3")
+    if m.remote:  # a local copy of a file the URI does not have (an earlier run's) is dropped at pull
+        (m.local / "stale.jsonl").write_text('{"step": 6}\n')
+        assert not m.pull("stale.jsonl").exists()
 
 
 def test_location_types_and_redaction(s3):

@@ -81,10 +81,10 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, ray_cluster, pipelin
                                                              "checkpoint_every": 1, "eval_every": 100})
     with pytest.raises(Exception, match="non-finite loss at step"):
         run_training(cfg)
-    ck = latest_checkpoint(tmp_path / "out" / "ray")
+    ck = latest_checkpoint(tmp_path / "out")
     assert ck is not None
-    state = json.loads((Path(ck.path) / "trainer_state.json").read_text())
-    assert state["global_step"] >= 1
+    state = json.loads((Path(ck[1]) / "trainer_state.json").read_text())
+    assert state["global_step"] == ck[0] >= 1
     assert all(all(torch.isfinite(torch.tensor(x)).all() for x in h["loss"]) for h in state["history"] if "loss" in h)
 
 
