@@ -208,6 +208,19 @@ def running(cl: LocalCluster, app: str = "eagleray") -> int:
     return sum(1 for d in deps.values() for rep in d.get("replicas", []) if rep.get("state") == "RUNNING")
 
 
+def stop_serve(cl: LocalCluster, wait_s: float = 120) -> bool:
+    """Shut Serve down (its REST API on the dashboard): its replicas hold the worker nodes' `eagleray_worker`
+    resource, and a later job asking for it would wait forever (the first --throughput run hung so)."""
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{cl.dashboard}/api/serve/applications/", method="DELETE"),
+                           timeout=60)
+    deadline = time.time() + wait_s
+    while running(cl) and time.time() < deadline:
+        time.sleep(2)
+    return running(cl) == 0
+
+
 def serve_fault(cl: LocalCluster, out: Path, target: Path, head: str) -> tuple[str, dict]:
     port, key = free_port(), "cluster-check-key"
     cfg = write_yaml(out / "serve.yaml", {
@@ -310,6 +323,7 @@ def run_check(args) -> dict:
             ecfg = write_yaml(out / "eval.yaml", eval_tree(f"{BUCKET}/eval", target, head))
             result["jobs"]["eval"] = run_job(cl, "eval", ["python", "-m", "infer.eval", str(ecfg)], out)[0]
             result["jobs"]["serve"], result["serve_fault"] = serve_fault(cl, out, target, head)
+            result["serve_stopped"] = stop_serve(cl)
         result["check_wall_s"] = round(time.time() - t0, 1)  # the check itself, before --throughput
         if args.throughput and result["jobs"]["pipeline"] == "SUCCEEDED":
             result["capture_2_vs_1"], result["train_2_vs_1"] = throughput(cl, out, target, corpus, records)
