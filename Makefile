@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean-demo vllm-check real-target real real-sources peers
+.PHONY: demo test install clean-demo vllm-check real-target real real-sources peers cluster-check
 
 install: $(STAMP)
 
@@ -112,3 +112,9 @@ $(PEERS)/speculators/.installed:
 	@$(PEERS)/speculators/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PEERS)/speculators/bin/python -c "import torch, speculators.train.cli; assert torch.__version__.startswith('2.13.0')"
 	@touch $@
+
+# Three Ray nodes on this machine (`ray start` each) beside a local S3 server (moto): every stage by `ray job
+# submit` with its data on S3, a worker node killed mid-capture, mid-training and under a served load
+# (~10 min here); the last line printed is one JSON object (docs/USAGE.md "On a cluster").
+cluster-check: $(STAMP)
+	@cd tools && ../$(PY) local_cluster.py --check
