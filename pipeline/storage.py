@@ -298,6 +298,13 @@ class Mirror:
         atexit.register(shutil.rmtree, mirror.local, True)
         return mirror.pull()
 
+    def write_text(self, rel: str, text: str) -> None:
+        """Write a file here and push it to the URI."""
+        path = self.local / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        self.push(rel)
+
     def forget(self, rel: str) -> None:
         """Remove a file here and at the URI."""
         (self.local / rel).unlink(missing_ok=True)

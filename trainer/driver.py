@@ -183,6 +183,5 @@ def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> d
               "tokens_per_s": train_recs[-1]["tokens_per_s"] if train_recs else None,
               "best": best, "evals": len(evals), "exports": exports, "formats": list(FORMATS),
               "options": cfg.model.head_options}
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-    files.push("report.json")
+    files.write_text("report.json", json.dumps(report, indent=2))
     return report

@@ -334,9 +334,7 @@ class TrainLoop:
                 self.writer.add_scalar(f"acc/step{s}", rec["acc"][s], step)
             for k in ("lr", "grad_norm", "tokens_per_s", "sim_tau_train"):
                 self.writer.add_scalar(f"train/{k}", rec[k], step)
-            files = run_files(self.cfg)
-            (files.local / "progress.json").write_text(json.dumps(rec | {"total_steps": self.total}))
-            files.push("progress.json")
+            run_files(self.cfg).write_text("progress.json", json.dumps(rec | {"total_steps": self.total}))
 
     def evaluate(self, step: int) -> None:
         ev = self.run.evaluate(self.val) | {"step": step}
@@ -406,8 +404,7 @@ class TrainLoop:
         if self.writer:
             self.writer.close()
             files = run_files(self.cfg)
-            (files.local / "history.json").write_text(json.dumps(st["history"], indent=1))
-            files.push("history.json")
+            files.write_text("history.json", json.dumps(st["history"], indent=1))
             files.push("tensorboard")
 
 
