@@ -123,13 +123,21 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
     return torch.softmax(scores, dim=-1)
 
 
+def draft_runner(head, embed: torch.Tensor):
+    """The draft side of the loop for the head's kind: EAGLE-3's DraftRunner or DFlash's block runner."""
+    if head.config.kind == "dflash":
+        from infer.dflash_draft import DFlashRunner
+        return DFlashRunner(head, embed)
+    return DraftRunner(head, embed)
+
+
 class EagleGenerator:
     def __init__(self, target, tokenizer, head, aux_layer_ids: list[int], lean: bool = True,
                  exact_verify: bool = True):
         self.target = TargetRunner(target, aux_layer_ids, lean, exact_verify)
         self.tokenizer = tokenizer
         embed = target.get_input_embeddings().weight.detach()
-        self.draft = DraftRunner(head.to(embed.device, embed.dtype), embed) if head is not None else None
+        self.draft = draft_runner(head.to(embed.device, embed.dtype), embed) if head is not None else None
         eos = target.generation_config.eos_token_id if target.generation_config else None
         eos = eos if eos is not None or tokenizer is None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -149,7 +157,7 @@ class EagleGenerator:
 
         from pipeline.target import load_model
         from trainer.export import import_head
-        from trainer.head import Eagle3Head
+        from trainer.head import build_head
 
         target, _ = load_model(target_dir, dtype, device.startswith("cuda"))
         tok = AutoTokenizer.from_pretrained(target_dir)
@@ -157,7 +165,7 @@ class EagleGenerator:
         head, aux = None, None
         if head_dir is not None:
             state, hcfg, aux = import_head(Path(head_dir), n_layers)
-            head = Eagle3Head(hcfg)
+            head = build_head(hcfg)
             head.load_state_dict(state, strict=False)
             head.set_vocab(state["d2t"], state["t2d"])
         return cls(target, tok, head, aux or default_aux_layers(n_layers), lean, exact_verify)

@@ -53,6 +53,10 @@ class Optim(StrictModel):
 
 
 class Model(StrictModel):
+    # The draft kind (trainer/head.py build_head): "eagle3", one layer trained with TTT (the fields below up
+    # to off_vocab), or "dflash", a block drafter (trainer/dflash.py; ARCHITECTURE.md §12) whose own fields
+    # follow the EAGLE ones.
+    kind: Literal["eagle3", "dflash"] = "eagle3"
     ttt_length: int = Field(7, ge=1)
     decay: float = Field(0.8, gt=0, le=1)
     intermediate_size: int | None = None      # default: the target's
@@ -75,6 +79,18 @@ class Model(StrictModel):
     # dropped, or kept with the target's distribution over the draft vocab.
     loss_mean: Literal["padded", "counted"] = "padded"
     off_vocab: Literal["drop", "keep"] = "drop"
+    # DFlash: draft layers, block size (anchor + masks: block_size - 1 tokens drafted per forward), the
+    # mask slots' token (None: trainer/dflash.py default_mask_token), anchor blocks drawn per row, and
+    # the slots' loss decay exp(-(k - 1) / gamma) (None: no decay).
+    num_layers: int | None = Field(None, ge=1)  # default: 1 for eagle3, 2 for dflash
+    block_size: int = Field(8, ge=2)
+    mask_token_id: int | None = Field(None, ge=0)
+    anchors: int = Field(32, ge=1)
+    decay_gamma: float | None = Field(4.0, gt=0)
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers or (2 if self.kind == "dflash" else 1)
 
     @property
     def head_options(self) -> dict[str, bool]:
@@ -87,6 +103,12 @@ class Model(StrictModel):
             raise ValueError("norm_before_fc and fc_norm: one or the other (both norm the aux states)")
         if self.freeze_lm_head and self.lm_head_init == "random" and self.init_from is None:
             raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
+        if self.kind == "eagle3" and self.layers != 1:
+            raise ValueError(f"num_layers: an EAGLE-3 head has one layer, not {self.layers}")
+        if self.kind == "dflash":
+            on = [k for k, v in self.head_options.items() if v]
+            if on or self.compile:
+                raise ValueError(f"kind: dflash reads none of {', '.join(on or ['compile'])} (EAGLE-3 options)")
         return self
 
 
@@ -127,4 +149,11 @@ class TrainConfig(StrictModel):
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
     ray_address: str | None = None
-    export_formats: list[Literal["sglang", "speculators"]] = ["sglang", "speculators"]
+    # default: ["sglang", "speculators"] for an EAGLE-3 head, ["dflash"] (vLLM's DFlashDraftModel) for DFlash
+    export_formats: list[Literal["sglang", "speculators", "dflash"]] | None = None
+
+    @model_validator(mode="after")
+    def _formats_of_kind(self):
+        if self.export_formats is None:
+            self.export_formats = ["dflash"] if self.model.kind == "dflash" else ["sglang", "speculators"]
+        return self

@@ -35,8 +35,16 @@ class StepFlops:
 
 
 def step_flops(c: HeadConfig, ttt_length: int) -> StepFlops:
-    """The EAGLE-3 layer takes [embedding; fc(aux)] (2H wide) into q/k/v; o and the SwiGLU MLP are H wide."""
+    """The EAGLE-3 layer takes [embedding; fc(aux)] (2H wide) into q/k/v; o and the SwiGLU MLP are H wide.
+    A DFlash head (ttt_length: its block's slots) costs fc and each layer's context k/v on every position,
+    and its layers plus the lm_head on every slot; counted as if each loss token anchored a block (anchors
+    cap that), which is what weighing batches against each other needs."""
     h, hd, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    if c.kind == "dflash":
+        layer = h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * c.intermediate_size
+        return StepFlops(per_token=6 * (3 * c.target_hidden_size * h + c.num_layers * 2 * h * nkv * hd),
+                         per_token_key=0.0, per_counted=6 * (c.num_layers * layer + h * c.draft_vocab_size),
+                         per_target_row=2 * h * c.vocab_size, ttt_length=ttt_length)
     layer = 2 * h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * c.intermediate_size
     return StepFlops(per_token=6 * (3 * c.target_hidden_size * h + ttt_length * layer),
                      per_token_key=6 * ttt_length * 2 * nq * hd,

@@ -112,7 +112,7 @@ def run_training(cfg: TrainConfig) -> dict:
     spec = TargetSpec.read(cfg.target)
     check_manifest(data.signature, spec)
     check_exportable(data.signature["aux_layer_ids"], spec.num_layers, list(cfg.export_formats),
-                     cfg.model.head_options)
+                     cfg.model.head_options, cfg.model.kind)
     d2t, t2d = load_draft_vocab(data.vocab_dir)
     total = estimate_total_steps(cfg, data.length_files, set(data.val["id"].to_pylist()))
     print(f"trainer: {where}; {data.rows} rows, {data.tokens} tokens ({cfg.data.source}); {total} optimizer "
@@ -182,6 +182,6 @@ def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> d
               "last_acc": train_recs[-1]["acc"] if train_recs else None,
               "tokens_per_s": train_recs[-1]["tokens_per_s"] if train_recs else None,
               "best": best, "evals": len(evals), "exports": exports, "formats": list(FORMATS),
-              "options": cfg.model.head_options}
+              "options": cfg.model.head_options, "kind": cfg.model.kind}
     files.write_text("report.json", json.dumps(report, indent=2))
     return report

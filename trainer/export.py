@@ -25,7 +25,12 @@ LAYER_KEYS = ["hidden_norm.weight", "input_layernorm.weight", "post_attention_la
               "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
 HEAD_KEYS = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] + [f"midlayer.{k}" for k in LAYER_KEYS]
-FORMATS = ("sglang", "speculators")
+FORMATS = ("sglang", "speculators", "dflash")
+KIND_FORMATS = {"eagle3": ("sglang", "speculators"), "dflash": ("dflash",)}  # what each draft kind exports as
+DFLASH_LAYER_KEYS = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                     "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.down_proj.weight"]
 # Tensors that only some heads hold (trainer/head.py HEAD_OPTIONS); the names are vLLM's and speculators'.
 OPTION_KEYS = {"norm_before_fc": ["input_norm.weight"], "fc_norm": [f"fc_norm.{i}.weight" for i in range(3)]}
 # Tensors a peer's checkpoint may carry that are the target's, not the head's: we use the target's own.
@@ -38,8 +43,16 @@ def head_keys(options: dict | None = None) -> list[str]:
     return HEAD_KEYS + extra
 
 
-def check_keys(state: dict, where: str, options: dict | None = None) -> None:
-    want = head_keys(options)
+def state_keys(cfg: HeadConfig) -> list[str]:
+    """The tensor names of a head of this config, either kind (DFlash's are vLLM's DFlashDraftModel's)."""
+    if cfg.kind == "dflash":
+        return ["fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] + [
+            f"layers.{i}.{k}" for i in range(cfg.num_layers) for k in DFLASH_LAYER_KEYS]
+    return head_keys(cfg.options)
+
+
+def check_keys(state: dict, where: str, options: dict | None = None, want: list[str] | None = None) -> None:
+    want = want or head_keys(options)
     missing = sorted(set(want) - set(state))
     extra = sorted(set(state) - set(want))
     if missing or extra:
@@ -47,14 +60,18 @@ def check_keys(state: dict, where: str, options: dict | None = None) -> None:
 
 
 def check_exportable(aux_layer_ids: list[int], num_target_layers: int, formats: list[str],
-                     options: dict | None = None) -> None:
+                     options: dict | None = None, kind: str = "eagle3") -> None:
     """Refuse what an engine cannot load, before training rather than after it: engines sort and
     de-duplicate aux ids, so only three distinct ascending layers mean the same thing everywhere; SGLang's
-    LlamaForCausalLMEagle3 reads none of the EAGLE 3.1 options (it would drop their tensors silently)."""
+    LlamaForCausalLMEagle3 reads none of the EAGLE 3.1 options (it would drop their tensors silently); a
+    draft kind exports only in its own formats."""
     resolve_aux_layers(num_target_layers, list(aux_layer_ids), "export: aux layer ids")
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"export_formats: unknown {unknown} (known: {', '.join(FORMATS)})")
+    other = [f for f in formats if f not in KIND_FORMATS[kind]]
+    if other:
+        raise ValueError(f"export_formats: a {kind} head exports as {', '.join(KIND_FORMATS[kind])}, not {other}")
     on = [k for k, v in (options or {}).items() if v]
     if on and "sglang" in formats:
         raise ValueError(f"export_formats: sglang: SGLang's EAGLE-3 head reads none of model.{', model.'.join(on)}; "
@@ -64,6 +81,15 @@ def check_exportable(aux_layer_ids: list[int], num_target_layers: int, formats: 
 def expected_shapes(cfg: HeadConfig) -> dict[str, tuple]:
     h, ht, hd = cfg.hidden_size, cfg.target_hidden_size, cfg.head_dim
     nq, nkv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
+    if cfg.kind == "dflash":
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (nq, h), "self_attn.k_proj.weight": (nkv, h),
+                 "self_attn.v_proj.weight": (nkv, h), "self_attn.o_proj.weight": (h, nq),
+                 "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+                 "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+        return {"fc.weight": (h, 3 * ht), "hidden_norm.weight": (h,), "norm.weight": (h,),
+                "lm_head.weight": (cfg.draft_vocab_size, h), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
+                **{f"layers.{i}.{k}": v for i in range(cfg.num_layers) for k, v in layer.items()}}
     return {"fc.weight": (h, 3 * ht), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
             "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
             "input_norm.weight": (3 * ht,), **{f"fc_norm.{i}.weight": (ht,) for i in range(3)},
@@ -95,9 +121,11 @@ def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], target: 
     """Write a head folder (config.json + model.safetensors) in `fmt` for `target` (its layer count checks
     the aux ids; speculators configs name it as the verifier)."""
     state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    check_keys(state, "export", cfg.options)
+    check_keys(state, "export", want=state_keys(cfg))
     _check_shapes(state, cfg, "export")
-    check_exportable(aux_layer_ids, target.num_layers, [fmt], cfg.options)
+    check_exportable(aux_layer_ids, target.num_layers, [fmt], cfg.options, cfg.kind)
+    if cfg.kind == "dflash":
+        return export_dflash(state, cfg, aux_layer_ids, out)
     out.mkdir(parents=True, exist_ok=True)
     ht = cfg.target_hidden_size
     aux = [int(j) for j in aux_layer_ids]
@@ -137,6 +165,8 @@ def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dic
     folder = Path(folder)
     conf = json.loads((folder / "config.json").read_text())
     raw = load_file(str(folder / "model.safetensors"))
+    if conf.get("architectures") == [DFLASH_ARCH]:
+        return import_dflash(conf, raw, folder, num_target_layers)
     if "speculators_config" in conf or conf.get("architectures") == ["Eagle3Speculator"]:
         fields = dict(conf["transformer_layer_config"])
         fields.setdefault("draft_vocab_size", conf["draft_vocab_size"])
@@ -203,6 +233,71 @@ def convert_head(src: Path, target: TargetSpec, out: Path, fmt: str, aux_layer_i
 
 
 def head_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The exportable tensors of an Eagle3Head (drops the non-persistent rotary cache)."""
-    keys = set(head_keys(head.config.options))
+    """The exportable tensors of a head of either kind (drops the non-persistent rotary cache)."""
+    keys = set(state_keys(head.config))
     return {k: v for k, v in head.state_dict().items() if k in keys}
+
+
+# --- DFlash: vLLM's DFlashDraftModel (model_executor/models/qwen3_dflash.py), a Qwen3 config ---------------
+DFLASH_ARCH = "DFlashDraftModel"
+
+
+def export_dflash(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], out: Path) -> Path:
+    """A DFlash head folder vLLM loads for `method: dflash`. Aux ids are written twice, as vLLM reads them:
+    `eagle_aux_hidden_state_layer_ids` as inputs of layers (j + 1, read first) and
+    `dflash_config.target_layer_ids` as outputs (j, DFlash's own numbering). d2t ships only when the draft
+    vocabulary is smaller than the target's (vLLM has no place for it otherwise); vLLM skips t2d."""
+    out.mkdir(parents=True, exist_ok=True)
+    aux = [int(j) for j in aux_layer_ids]
+    fields = {k: v for k, v in _llama_fields(cfg).items() if k != "model_type"}
+    conf = {"architectures": [DFLASH_ARCH], "model_type": "qwen3", **fields, "num_hidden_layers": cfg.num_layers,
+            "target_hidden_size": cfg.target_hidden_size, "attention_bias": False, "use_sliding_window": False,
+            "block_size": cfg.block_size, "eagle_aux_hidden_state_layer_ids": [j + 1 for j in aux],
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": aux}}
+    tensors = dict(state)
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        tensors.pop("d2t")
+    (out / "config.json").write_text(json.dumps(conf, indent=2))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "eagleray_format": "dflash"})
+    return out
+
+
+def import_dflash(conf: dict, raw: dict, folder: Path, num_target_layers: int | None):
+    """A DFlash folder -> (state, head config, aux ids as outputs of layers); refuses, in one line naming
+    the key or tensor, a config whose two aux-layer fields disagree, aux layers this target lacks, and
+    weights the config does not describe."""
+    dcfg = conf.get("dflash_config") or {}
+    ids, outs = conf.get("eagle_aux_hidden_state_layer_ids"), dcfg.get("target_layer_ids")
+    if ids is not None and outs is not None and [j + 1 for j in outs] != list(ids):
+        raise ValueError(f"{folder}: dflash_config.target_layer_ids {outs} (outputs) and "
+                         f"eagle_aux_hidden_state_layer_ids {ids} (inputs) name different target layers")
+    aux = list(outs) if outs is not None else ([j - 1 for j in ids] if ids is not None else None)
+    if aux is None:
+        raise ValueError(f"{folder}: dflash_config.target_layer_ids: missing (which target layers feed the head)")
+    if num_target_layers is not None:
+        resolve_aux_layers(num_target_layers, aux, f"{folder}: dflash_config.target_layer_ids")
+    state = dict(raw)
+    if "d2t" not in state:
+        state["d2t"] = torch.zeros(conf.get("draft_vocab_size") or conf["vocab_size"], dtype=torch.long)
+    if "t2d" not in state:
+        state["t2d"] = torch.ones(conf["vocab_size"], dtype=torch.bool)
+    rope = {"rope_type": "default", "rope_theta": conf.get("rope_theta", 10000.0)}
+    if conf.get("rope_scaling"):
+        rope.update(conf["rope_scaling"])
+    try:
+        cfg = HeadConfig(
+            hidden_size=conf["hidden_size"], intermediate_size=conf["intermediate_size"],
+            num_attention_heads=conf["num_attention_heads"], num_key_value_heads=conf["num_key_value_heads"],
+            head_dim=conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"],
+            vocab_size=conf["vocab_size"], draft_vocab_size=conf.get("draft_vocab_size") or conf["vocab_size"],
+            target_hidden_size=conf.get("target_hidden_size") or conf["hidden_size"], rms_norm_eps=conf["rms_norm_eps"],
+            max_position_embeddings=conf["max_position_embeddings"], rope_parameters=rope, kind="dflash",
+            num_layers=conf["num_hidden_layers"], block_size=conf.get("block_size", 0),
+            mask_token_id=dcfg.get("mask_token_id"))
+    except KeyError as err:
+        raise ValueError(f"{folder}: config.json: {err.args[0]}: missing") from None
+    except ValueError as err:
+        raise ValueError(f"{folder}: {err}") from None
+    check_keys(state, str(folder), want=state_keys(cfg))
+    _check_shapes(state, cfg, str(folder))
+    return state, cfg, aux

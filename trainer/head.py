@@ -39,10 +39,29 @@ class HeadConfig:
     fc_norm: bool = False               # an RMSNorm per aux state before the fc (`fc_norm.{i}`)
     norm_before_residual: bool = False  # the residual is hidden_norm(h), not h
     norm_output: bool = False           # the next step is fed the final-normed state
+    # The draft kind: "eagle3" (this module's Eagle3Head) or "dflash" (trainer/dflash.py's block drafter:
+    # `num_layers` Qwen3-style layers drafting `block_size - 1` tokens per forward; ARCHITECTURE.md §12).
+    kind: str = "eagle3"
+    num_layers: int = 1
+    block_size: int = 0                 # dflash: anchor + masks per block
+    mask_token_id: int | None = None    # dflash: the target vocabulary id whose embedding fills the masks
 
     def __post_init__(self):
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("model.norm_before_fc and model.fc_norm: one or the other (both norm the aux states)")
+        if self.kind not in DRAFT_KINDS:
+            raise ValueError(f"model.kind: {self.kind!r} is not one of {', '.join(DRAFT_KINDS)}")
+        if self.kind == "dflash":
+            if any(self.options.values()):
+                raise ValueError("model.kind: dflash reads none of the EAGLE 3.1 options (norm_before_fc, fc_norm, "
+                                 "norm_before_residual, norm_output)")
+            if self.block_size < 2:
+                raise ValueError(f"model.block_size: a DFlash block is the anchor plus at least one mask, not {self.block_size}")
+            if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
+                raise ValueError(f"model.mask_token_id: {self.mask_token_id} is not a target vocabulary id "
+                                 f"(0..{self.vocab_size - 1})")
+        elif self.num_layers != 1:
+            raise ValueError(f"model.num_layers: an EAGLE-3 head has one layer, not {self.num_layers}")
 
     @property
     def options(self) -> dict[str, bool]:
@@ -50,6 +69,7 @@ class HeadConfig:
 
 
 HEAD_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+DRAFT_KINDS = ("eagle3", "dflash")
 
 
 def head_rope(tcfg) -> dict:
@@ -68,7 +88,7 @@ def head_rope(tcfg) -> dict:
 
 
 def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int | None = None,
-                            **options: bool) -> HeadConfig:
+                            **options) -> HeadConfig:
     """A head shaped like one layer of the target (H, heads, kv heads, rope, eps). Targets whose layers
     are not Llama-shaped (GPT-2, MLA) get head_dim H / heads and an MLP of 4H when they name none."""
     tcfg = text_config(tcfg)
@@ -85,6 +105,14 @@ def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int 
                       vocab_size=tcfg.vocab_size, draft_vocab_size=draft_vocab_size, target_hidden_size=h,
                       rms_norm_eps=float(eps), max_position_embeddings=tcfg.max_position_embeddings,
                       rope_parameters=head_rope(tcfg), **options)
+
+
+def build_head(cfg: HeadConfig) -> nn.Module:
+    """The draft model of cfg.kind: an Eagle3Head or a DFlashHead (trainer/dflash.py)."""
+    if cfg.kind == "dflash":
+        from trainer.dflash import DFlashHead
+        return DFlashHead(cfg)
+    return Eagle3Head(cfg)
 
 
 class Rotary:

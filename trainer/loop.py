@@ -21,8 +21,8 @@ from trainer.cost import step_flops
 from trainer.data import Alone, EpochCache, MicroBatches, RankPace, batch_cost, collate
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec, cpu_has_native_bf16
-from trainer.head import head_config_from_target
-from trainer.warm_start import starting_head
+from trainer.dflash_objective import DFlashObjective
+from trainer.warm_start import run_head_config, starting_head
 from trainer.target_parts import load_target_parts
 from trainer.ttt import StepSums, TTTObjective, target_distribution, target_rows
 
@@ -72,8 +72,7 @@ class HeadTrainer:
         parts = load_target_parts(cfg.target)
         self.spec = TargetSpec.read(cfg.target)
         self.aux_layer_ids = aux_layer_ids
-        hcfg = head_config_from_target(self.spec.config, len(d2t), cfg.model.intermediate_size,
-                                       **cfg.model.head_options)
+        hcfg = run_head_config(cfg.model, self.spec.config, len(d2t), parts.embedding)
         head = starting_head(cfg.model, hcfg, d2t, t2d, parts.lm_weight, self.spec.num_layers)
         self.hcfg = hcfg
         self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
@@ -83,12 +82,20 @@ class HeadTrainer:
                   "oneDNN emulates it, ~100x slower than fp32 here; use deepspeed.dtype: fp32", flush=True)
         self.target = parts.to(self.device, self.compute_dtype, bf16_hidden=storage_dtype == "bf16")
         self.t2d = t2d.to(self.device)
-        m = cfg.model
-        self.engine = self._engine(TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile,
-                                                m.loss_mean, m.off_vocab))
+        objective = self._objective(head)
+        self.steps = objective.steps  # metric steps: TTT steps, or a DFlash block's drafted slots
+        self.flops = step_flops(hcfg, self.steps)
+        self.engine = self._engine(objective)
         self.head = self.engine.module.head
         inv = self.head.rotary.inv_freq
         assert inv.dtype == torch.float32, f"head RoPE inv_freq is {inv.dtype} after engine init, must stay fp32"
+
+    def _objective(self, head):
+        m = self.cfg.model
+        if m.kind == "dflash":
+            mask = self.target.embed(torch.tensor([head.config.mask_token_id], device=self.device))[0]
+            return DFlashObjective(head, mask, m.anchors, m.decay_gamma, m.off_vocab, self.cfg.seed)
+        return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.loss_mean, m.off_vocab)
 
     def _engine(self, objective):
         import deepspeed
@@ -127,7 +134,7 @@ class HeadTrainer:
 
     def evaluate(self, rows: list[dict]) -> dict:
         mine = rows[self.rank::self.world]
-        sums = StepSums(self.cfg.model.ttt_length)
+        sums = StepSums(self.steps)
         self.engine.eval()
         with torch.no_grad():
             for i in range(0, len(mine), 8):
@@ -260,7 +267,7 @@ class TrainLoop:
                 files.push("resumes.jsonl")
         self.writer = SummaryWriter(str(run_files(cfg).local / "tensorboard")) if self.run.rank == 0 else None
         self.shard = ray.train.get_dataset_shard("train")
-        self.window = MetricWindow(cfg.model.ttt_length)
+        self.window = MetricWindow(self.run.steps)
         start = self.state["global_step"]
         self.stop_at = min(self.total, start + (cfg.run_steps or self.total))
 
@@ -290,7 +297,7 @@ class TrainLoop:
         cfg, st = self.cfg, self.state
         stream = MicroBatches(self.epoch_rows(), cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
                               cfg.data.bucket_pool, cfg.data.seed, st["epoch"],
-                              step_flops(self.run.hcfg, cfg.model.ttt_length),
+                              self.run.flops,
                               RankPeers(self.run.rank, self.run.world) if self.run.world > 1 else Alone(),
                               cfg.data.balance, self.pace, st.setdefault("pool_speeds", {}))
         if st["batches_in_epoch"]:  # replay the epoch's order up to where we stopped
@@ -329,7 +336,7 @@ class TrainLoop:
         rec = self.window.record(self.run, step, self.state["epoch"])
         self.state["history"].append(rec)
         if self.writer:
-            for s in range(self.cfg.model.ttt_length):
+            for s in range(self.run.steps):
                 self.writer.add_scalar(f"loss/step{s}", rec["loss"][s], step)
                 self.writer.add_scalar(f"acc/step{s}", rec["acc"][s], step)
             for k in ("lr", "grad_norm", "tokens_per_s", "sim_tau_train"):
@@ -341,7 +348,7 @@ class TrainLoop:
         self.state["history"].append(ev)
         if self.writer:
             self.writer.add_scalar("eval/sim_tau", ev["sim_tau"], step)
-            for s in range(self.cfg.model.ttt_length):
+            for s in range(self.run.steps):
                 self.writer.add_scalar(f"eval/acc_step{s}", ev["val_acc"][s], step)
         if ev["sim_tau"] > self.state["best_tau"]:
             self.state["best_tau"] = ev["sim_tau"]

@@ -180,6 +180,11 @@ class TTTObjective(nn.Module):
             self.compile_pieces()
         self._register_load_state_dict_pre_hook(_add_head_prefix)
 
+    @property
+    def steps(self) -> int:
+        """Metric steps (StepSums): one per TTT step."""
+        return self.ttt_length
+
     def compile_pieces(self) -> None:
         """torch.compile the step's pieces between the attention calls (ARCHITECTURE.md §5, "Compiled
         step"): the head's qkv and finish (fixed shapes per batch shape), its logits and the step loss (the

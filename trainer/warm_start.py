@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from trainer.head import Eagle3Head, HeadConfig
+from trainer.head import HeadConfig, build_head, head_config_from_target
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +69,38 @@ def warm_start_state(state: dict, cfg: HeadConfig, d2t: torch.Tensor, target_lm:
     return out
 
 
+def run_head_config(model, tcfg, draft_vocab: int, embedding: torch.Tensor) -> HeadConfig:
+    """The head config of a run (trainer config's `model` section) for target config tcfg: an EAGLE-3
+    head, or a DFlash one whose mask token defaults to trainer/dflash.py's rule over the target's embedding."""
+    extra = {}
+    if model.kind == "dflash":
+        from pipeline.target import text_config
+        from trainer.dflash import default_mask_token
+
+        mask = model.mask_token_id
+        if mask is None:
+            t = text_config(tcfg)
+            ids = [getattr(t, k, None) for k in ("eos_token_id", "bos_token_id", "pad_token_id")]
+            avoid = {int(i) for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None}
+            mask = default_mask_token(embedding, avoid)
+        extra = {"kind": "dflash", "num_layers": model.layers, "block_size": model.block_size, "mask_token_id": mask}
+    return head_config_from_target(tcfg, draft_vocab, model.intermediate_size, **model.head_options, **extra)
+
+
 def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor, target_lm: torch.Tensor,
-                  num_layers: int) -> Eagle3Head:
+                  num_layers: int) -> torch.nn.Module:
     """The head a run starts from (trainer config's `model` section): fresh, its lm_head from the target's
-    rows (`lm_head_init: target`) or another head's weights (`init_from`); lm_head frozen on request."""
-    head = Eagle3Head(hcfg)
+    rows (`lm_head_init: target`) or another head's weights (`init_from`, of the same kind); lm_head
+    frozen on request."""
+    head = build_head(hcfg)
     if model.lm_head_init == "target":
         head.lm_head.weight.data.copy_(target_lm_rows(target_lm, d2t, hcfg.hidden_size))
     if model.init_from is not None:
         from trainer.export import import_head
         state, old, _ = import_head(model.init_from, num_layers)
+        if (old.kind, old.num_layers) != (hcfg.kind, hcfg.num_layers):
+            raise ValueError(f"model.init_from: that head is {old.kind} with {old.num_layers} layer(s); this run "
+                             f"trains {hcfg.kind} with {hcfg.num_layers}")
         if old.options != hcfg.options:
             raise ValueError(f"model.init_from: that head was trained with {old.options}; this run's model "
                              f"options are {hcfg.options}")

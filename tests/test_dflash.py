@@ -1,0 +1,190 @@
+"""DFlash (trainer/dflash.py, trainer/dflash_objective.py, infer/dflash_draft.py): the block rules, training
+and decoding computing the same block, export in vLLM's DFlashDraftModel format, lossless decoding."""
+import json
+
+import pytest
+import torch
+import transformers as T
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from infer.dflash_draft import DFlashRunner
+from infer.generate import EagleGenerator, SpecSettings
+from pipeline.target import default_aux_layers
+from test_export import spec
+from test_generate import hf_greedy, prompts
+from test_pipeline_capture import make_random_target
+from trainer.dflash import DFlashHead, default_mask_token
+from trainer.dflash_objective import (DFlashObjective, accepted_prefix, block_labels, block_mask, block_positions,
+                                      sample_anchors)
+from trainer.export import export_head, head_state, import_head
+from trainer.head import head_config_from_target
+from trainer.ttt import target_rows
+
+VOCAB = 96
+
+
+def dflash_head(tcfg, seed=0, layers=2, block=5, vocab=VOCAB, mask=7) -> DFlashHead:
+    """A random DFlash head whose norms are away from 1, so a norm applied twice or not at all shows."""
+    torch.manual_seed(seed)
+    cfg = head_config_from_target(tcfg, vocab, kind="dflash", num_layers=layers, block_size=block, mask_token_id=mask)
+    head = DFlashHead(cfg).double()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand_like(p) + 0.5)
+    return head
+
+
+def small_cfg(vocab=VOCAB):
+    return T.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def test_anchors_and_block_mask():
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1, 0, 0]])
+    gen = torch.Generator().manual_seed(0)
+    anchors, keep = sample_anchors(mask, 16, gen)
+    # candidates: a >= 1 with token a + 1 a loss token: row 0 -> 2,3,4,5,7,8; row 1 -> 5,6
+    assert anchors.shape == (2, 6)
+    assert anchors[0].tolist() == [2, 3, 4, 5, 7, 8] and keep[0].all()
+    assert anchors[1, :2].tolist() == [5, 6] and keep[1].tolist() == [True, True] + [False] * 4
+    few, _ = sample_anchors(mask, 3, gen)
+    assert few.shape == (2, 3) and set(few[0].tolist()) <= {2, 3, 4, 5, 7, 8} and few[0].tolist() == sorted(few[0].tolist())
+    bs, t = 3, 10
+    m = block_mask(anchors, keep, t, bs)[:, 0]
+    assert m.shape == (2, 6 * bs, t + 6 * bs)
+    for b in range(2):
+        for n in range(6):
+            for k in range(bs):
+                q = n * bs + k
+                want_ctx = [bool(keep[b, n]) and j < int(anchors[b, n]) for j in range(t)]
+                want_blk = [j // bs == n for j in range(6 * bs)]
+                assert m[b, q].tolist() == want_ctx + want_blk, (b, n, k)
+    assert block_positions(anchors[:1, :2], bs).tolist() == [[2, 3, 4, 3, 4, 5]]
+    need, row = target_rows(mask)
+    rows, valid = block_labels(anchors, keep, row, bs)
+    # block at anchor 5 of row 0: slot 1 reads position 5 (token 6: loss), slot 2 position 6 (token 7: not)
+    assert valid[0, 3].tolist() == [True, False] and int(rows[0, 3, 0]) == int(row[0, 5])
+    assert valid[0, 5].tolist() == [True, False]  # anchor 8: slot 2 reads position 9, past the row's end
+    correct = torch.tensor([[[True, True, False], [True, False, True], [False, True, True]]])
+    ok = torch.ones_like(correct)
+    run, reached = accepted_prefix(correct, ok)
+    assert run.tolist() == [[[True, True, False], [True, False, False], [False, False, False]]]
+    assert reached.tolist() == [[[True, True, True], [True, True, False], [True, False, False]]]
+
+
+@torch.no_grad()
+def test_training_block_is_the_decoding_block():
+    """The training forward (many anchors, one masked pass) and the decoder (context cached by ingest, one
+    block, no mask) give the same logits for every block."""
+    head = dflash_head(small_cfg())
+    gen = torch.Generator().manual_seed(3)
+    t = 24
+    aux = torch.randn(1, t, 3 * 64, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (1, t), generator=gen)
+    embed = torch.randn(VOCAB, 64, generator=gen, dtype=torch.float64)
+    anchors, keep = torch.tensor([[1, 6, 13, 20]]), torch.ones(1, 4, dtype=torch.bool)
+    bs = head.config.block_size
+    x = embed[head.config.mask_token_id].expand(1, 4, bs, -1).clone()
+    x[:, :, 0] = embed[ids[0, anchors[0]]]
+    ctx = head.context_kv(aux, torch.arange(t)[None])
+    out = head.block(x.flatten(1, 2), block_positions(anchors, bs), ctx, block_mask(anchors, keep, t, bs))
+    train_logits = head.logits(out.view(1, 4, bs, -1)[0, :, 1:])
+    runner = DFlashRunner(head, embed)
+    for n, a in enumerate(anchors[0].tolist()):
+        runner.reset()
+        runner.ingest(aux[0, :a], ids[0, 1:a + 1], torch.arange(a))
+        got = runner.block_logits(int(ids[0, a]), a - 1, bs - 1)
+        torch.testing.assert_close(got, train_logits[n], rtol=1e-9, atol=1e-9)
+
+
+def test_objective_learns_a_fixed_batch():
+    head = dflash_head(small_cfg()).float()
+    gen = torch.Generator().manual_seed(1)
+    b, t = 2, 40
+    aux = torch.randn(b, t, 192, generator=gen)
+    emb = torch.randn(b, t, 64, generator=gen)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[:, :5] = 0
+    need, row = target_rows(mask)
+    n = int(need.sum())
+    target_logits = 4 * torch.randn(n, VOCAB, generator=gen)
+    p, am = torch.softmax(target_logits, -1), target_logits.argmax(-1)
+    obj = DFlashObjective(head, torch.randn(64, generator=gen), anchors=16, decay_gamma=4.0)
+    opt = torch.optim.Adam(obj.parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        out = obj(aux, emb, p, am, row, mask)
+        first = first if first is not None else float(out["loss"].detach())
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+    obj.eval()
+    with torch.no_grad():
+        out = obj(aux, emb, p, am, row, mask)
+    assert float(out["loss"]) < 0.5 * first
+    assert out["step_loss"].shape == (4,) and out["step_count"][0] == 32  # 2 rows x 16 anchors reach slot 1
+    assert float(out["step_correct"][0]) / float(out["step_count"][0]) > 0.8
+
+
+def test_default_mask_token_skips_zero_rows_and_specials():
+    emb = torch.randn(10, 4)
+    emb[9] = 0
+    assert default_mask_token(emb, {8}) == 7
+    assert default_mask_token(emb, set()) == 8
+
+
+def test_export_is_vllms_dflash_format_and_imports_back(tmp_path):
+    head = dflash_head(small_cfg(), vocab=40).float()
+    state = head_state(head)
+    out = export_head(state, head.config, [1, 3, 6], spec(8), tmp_path / "d", "dflash")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
+    assert conf["num_hidden_layers"] == 2 and conf["block_size"] == 5
+    assert conf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 3, 6]}
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 7]
+    back, cfg, aux = import_head(out, 8)
+    assert aux == [1, 3, 6] and cfg == head.config
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+    assert "layers.1.self_attn.k_norm.weight" in back
+    full = dflash_head(small_cfg(), vocab=VOCAB).float()  # the target's whole vocabulary: no d2t shipped
+    out2 = export_head(head_state(full), full.config, [1, 3, 6], spec(8), tmp_path / "full", "dflash")
+    from safetensors.torch import load_file, save_file
+    assert "d2t" not in load_file(str(out2 / "model.safetensors"))
+    assert import_head(out2, 8)[0]["d2t"].abs().sum() == 0
+    with pytest.raises(ValueError, match="a dflash head exports as dflash"):
+        export_head(state, head.config, [1, 3, 6], spec(8), tmp_path / "x", "speculators")
+    # refused at load, one line naming the tensor or key
+    bad = dict(load_file(str(out / "model.safetensors")))
+    bad["layers.1.self_attn.k_norm.weight"] = torch.ones(8)
+    save_file(bad, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_norm\.weight has shape \(8,\)"):
+        import_head(out, 8)
+    export_head(state, head.config, [1, 3, 6], spec(8), out, "dflash")
+    conf["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]
+    (out / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="target_layer_ids .* and eagle_aux_hidden_state_layer_ids .* different"):
+        import_head(out, 8)
+    conf["eagle_aux_hidden_state_layer_ids"] = [2, 4, 7]
+    (out / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="out of range"):
+        import_head(out, 6)  # a target of 6 layers has no layer 6
+    conf["num_hidden_layers"] = 3
+    (out / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match=r"missing \['layers\.2\."):
+        import_head(out, 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_token_identical_random_dflash_head(arch, tmp_path, tiny_target, demo_corpus):
+    folder = make_random_target(arch, tiny_target, tmp_path / arch)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    head = dflash_head(model.config, vocab=model.config.vocab_size)
+    gen = EagleGenerator(model, tok, head, default_aux_layers(8))
+    assert isinstance(gen.draft, DFlashRunner)
+    for i, ids in enumerate(prompts(tok, demo_corpus, 12)):
+        want = hf_greedy(model, ids, 20)
+        for mode, k in (("tree", 3), ("chain", 1)):
+            got = gen.generate(ids, SpecSettings(mode=mode, top_k=k, depth=4, total_tokens=8, max_new_tokens=20))
+            assert got.tokens == want, (arch, mode, i)
