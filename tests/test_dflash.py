@@ -188,3 +188,25 @@ def test_greedy_token_identical_random_dflash_head(arch, tmp_path, tiny_target, 
         for mode, k in (("tree", 3), ("chain", 1)):
             got = gen.generate(ids, SpecSettings(mode=mode, top_k=k, depth=4, total_tokens=8, max_new_tokens=20))
             assert got.tokens == want, (arch, mode, i)
+
+
+@pytest.mark.slow
+def test_trained_dflash_head_learns_exports_and_decodes_losslessly(tiny_dflash_head, tiny_target, demo_corpus):
+    report = json.loads((tiny_dflash_head / "report.json").read_text())
+    assert report["kind"] == "dflash" and set(report["exports"]) == {"dflash"}
+    assert sum(report["last_loss"]) < 0.7 * sum(report["first_loss"]), report
+    history = json.loads((tiny_dflash_head / "history.json").read_text())
+    evals = [h for h in history if "sim_tau" in h]
+    assert evals[-1]["sim_tau"] > evals[0]["sim_tau"] + 0.3, evals
+    gen = EagleGenerator.from_folders(tiny_target, tiny_dflash_head / "head_dflash", dtype=torch.float64)
+    model = gen.target.model
+    taus = {}
+    for mode, k, total in (("tree", 3, 10), ("chain", 1, 5)):
+        stats = []
+        for i, ids in enumerate(prompts(gen.tokenizer, demo_corpus, 16)):
+            want = hf_greedy(model, ids, 40)
+            got = gen.generate(ids, SpecSettings(mode=mode, top_k=k, depth=4, total_tokens=total, max_new_tokens=40))
+            assert got.tokens == want, (mode, i)
+            stats.append(got.stats)
+        taus[mode] = stats[0].pooled_tau(stats)
+    assert taus["chain"] > 1.5 and taus["tree"] >= taus["chain"] - 0.05, taus

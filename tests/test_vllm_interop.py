@@ -150,3 +150,25 @@ def test_vllm_runs_an_eagle31_head_as_we_do(vllm_python, tiny_target, pipeline_r
     # ignored it would give the very same counts), and our engine follows the flag too. The drop is small:
     # hidden_norm renormalizes the fed-back state, so only the final norm's weights differ (1.906 vs 1.921).
     assert d["vllm_tau"] != f["vllm_tau"] and 0.9 <= d["tau_ratio"] <= 1.1, (d, f["vllm_tau"])
+
+
+def test_vllm_dflash_context_norm_patch_still_needed_and_right(vllm_python):
+    """tools/vllm_dflash_patch.py: stock vLLM still norms every DFlash layer's context keys with layer 0's
+    weight (when this fails, vLLM fixed it: drop the patch), and the patched method is the per-layer norm."""
+    code = ("import json, torch, vllm_dflash_patch as p\n"
+            "from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model as M\n"
+            "g = torch.Generator().manual_seed(1)\n"
+            "k = torch.randn(3, 4, 2, 16, generator=g)\n"
+            "probe = type('P', (), {'_k_norm_weights': torch.rand(3, 16, generator=g) + 0.5, '_rms_norm_eps': 1e-6})()\n"
+            "ref = torch.stack([k[i] * torch.rsqrt(k[i].pow(2).mean(-1, keepdim=True) + 1e-6) * probe._k_norm_weights[i]"
+            " for i in range(3)])\n"
+            "stock = (M._normalize_context_k(probe, k) - ref).abs().max().item()\n"
+            "applied = p.apply()\n"
+            "fixed = (M._normalize_context_k(probe, k) - ref).abs().max().item()\n"
+            "print(json.dumps({'stock': stock, 'applied': applied, 'fixed': fixed}))\n")
+    proc = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tools")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["stock"] > 0.1, got  # the bug is there: layers 1 and 2 normed with layer 0's weight
+    assert got["applied"] and got["fixed"] < 1e-5, got

@@ -33,7 +33,13 @@ from infer.generate import EagleGenerator, SpecSettings
 from infer.benchmarks import chat_ids, default_prompts, prompt_file
 from vllm_runner import MARKER
 
-FORMAT_DIRS = {"sglang": "head_sglang", "speculators": "head_speculators"}
+FORMAT_DIRS = {"sglang": "head_sglang", "speculators": "head_speculators", "dflash": "head_dflash"}
+
+
+def head_format(folder: Path) -> str:
+    """Which export format a head folder holds (trainer/export.py), by its config's architecture."""
+    arch = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    return {"DFlashDraftModel": "dflash", "Eagle3Speculator": "speculators"}.get(arch[0] if arch else "", "sglang")
 
 
 def tau_from_counts(drafts: int, accepted: int) -> float:
@@ -170,6 +176,8 @@ def main(argv=None) -> dict:
     else:
         # every format the trainer exported (a head with EAGLE 3.1 options has no SGLang export)
         heads = {f: str(args.head_dir / d) for f, d in FORMAT_DIRS.items() if (args.head_dir / d / "config.json").is_file()}
+        if not heads and (args.head_dir / "config.json").is_file():  # a head folder itself
+            heads = {head_format(args.head_dir): str(args.head_dir)}
         if not heads:
             sys.exit(f"check_vllm: no exported head in {args.head_dir} (train one with `python -m trainer`)")
     if "vanilla" in heads:

@@ -8,7 +8,8 @@ REQUEST: {"target", "k", "max_new_tokens", "prompts": [[ids]], "dtype", "max_mod
 {"tokens": [[ids]], "drafts", "draft_tokens", "accepted", "accepted_per_pos", "load_s", "generate_s",
 "vllm_version"}}. Each run's log starts with the line `MARKER NAME`, so a reader can tell which engine logged
 what. The engine runs in this process (no engine-core or worker processes): a process and its vLLM import per
-run were ~30 of the ~40 s each run took. Only vLLM and the standard library are imported here.
+run were ~30 of the ~40 s each run took. A DFlash head (method dflash) runs with tools/vllm_dflash_patch.py
+applied. Only vLLM, that patch and the standard library are imported here.
 """
 import gc
 import json
@@ -34,6 +35,13 @@ def spec_counters(metrics) -> dict:
     return out
 
 
+def head_method(head: str) -> str:
+    """vLLM's speculative method for a head folder: dflash for a DFlashDraftModel config, else eagle3."""
+    with open(os.path.join(head, "config.json")) as f:
+        arch = json.load(f).get("architectures") or []
+    return "dflash" if arch == ["DFlashDraftModel"] else "eagle3"
+
+
 def run(req: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -41,7 +49,11 @@ def run(req: dict) -> dict:
 
     spec = None
     if req.get("head"):
-        spec = {"method": "eagle3", "model": req["head"], "num_speculative_tokens": req["k"]}
+        method = head_method(req["head"])
+        if method == "dflash":  # vLLM 0.32's CPU build norms every layer's context keys with layer 0's weight
+            import vllm_dflash_patch
+            print(f"vllm_runner: dflash context-key norm patch applied: {vllm_dflash_patch.apply()}", flush=True)
+        spec = {"method": method, "model": req["head"], "num_speculative_tokens": req["k"]}
     t0 = time.perf_counter()
     llm = LLM(model=req["target"], speculative_config=spec, dtype=req.get("dtype", "float32"),
               max_model_len=req.get("max_model_len", 512), enforce_eager=True, disable_log_stats=False,
