@@ -199,3 +199,23 @@ def test_ttt_logits_equal_decoder_chain_logits(family):
     for s in range(depth):
         torch.testing.assert_close(steps[s][0, i], levels[s][0], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{name}: TTT step {s} vs decoder level {s}: {m}")
+
+
+def test_dflash_greedy_tree_and_chain_identical_to_hf(family):
+    """A random DFlash head (trainer/dflash.py) decodes every family losslessly, as the EAGLE-3 head does."""
+    from trainer.dflash import DFlashHead
+
+    name, model, _ = family
+    torch.manual_seed(3)
+    cfg = head_config_from_target(model.config, VOCAB, kind="dflash", num_layers=2, block_size=5, mask_token_id=5)
+    gen = EagleGenerator(model, None, DFlashHead(cfg).to(model.dtype), default_aux_layers(8))
+    gen.eos = set()
+    for seed in range(2):
+        ids = random_ids(20 + seed, PROMPT)
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, PROMPT, dtype=torch.long),
+                                  max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want = want[0, PROMPT:].tolist()
+        for mode in ("tree", "chain"):
+            got = gen.generate(ids, SpecSettings(mode=mode, top_k=3, depth=4, total_tokens=10, max_new_tokens=NEW))
+            assert got.tokens == want, (name, mode, seed)
