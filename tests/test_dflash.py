@@ -210,3 +210,17 @@ def test_trained_dflash_head_learns_exports_and_decodes_losslessly(tiny_dflash_h
             stats.append(got.stats)
         taus[mode] = stats[0].pooled_tau(stats)
     assert taus["chain"] > 1.5 and taus["tree"] >= taus["chain"] - 0.05, taus
+
+
+@pytest.mark.slow
+def test_sampling_with_a_dflash_tree_keeps_the_target_distribution():
+    """T=0.8, top_p=0.9 on the peaked vocab-48 target: speculative draws through a random DFlash head's
+    trees vs the exact joint distribution (tools/check_sampling.py's chi-square), as for EAGLE-3."""
+    from check_sampling import peaky_llama, run_check
+
+    model = peaky_llama()
+    head = dflash_head(model.config, vocab=48, block=3, mask=1)
+    res = run_check(model, head, 5000)
+    print(res)
+    assert res["impossible"] == 0 and res["accepted"] > 0.03 * 5000
+    assert res["cells"] >= 10 and res["p_value"] > 0.01
