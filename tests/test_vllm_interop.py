@@ -172,3 +172,19 @@ def test_vllm_dflash_context_norm_patch_still_needed_and_right(vllm_python):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["stock"] > 0.1, got  # the bug is there: layers 1 and 2 normed with layer 0's weight
     assert got["applied"] and got["fixed"] < 1e-5, got
+
+
+@pytest.mark.slow
+def test_vllm_runs_our_dflash_head_as_we_do(vllm_python, tiny_target, tiny_dflash_head, tmp_path, data_dir):
+    """Our DFlash export in vLLM (method dflash, the context-norm patch applied) against our engine's chain
+    at the same block: same acceptance, same text; and the patch matters for a 2-layer head (without it
+    vLLM norms layer 1's context keys with layer 0's weight and accepts less or otherwise)."""
+    head = tiny_dflash_head / "head_dflash"
+    r = check_vllm.main(["--target", str(tiny_target), "--heads", f"dflash={head}", "--vllm-python",
+                         str(vllm_python), "--data", str(data_dir), "--n", "12", "--k", "4",
+                         "--max-new-tokens", "48", "--work-dir", str(tmp_path / "work")])
+    f = r["formats"]["dflash"]
+    assert "dflash context-key norm patch applied: True" in (tmp_path / "work" / "vllm.log").read_text()
+    assert f["aux_layers_agree"], f
+    assert f["text_match_rate"] >= 0.9, f["mismatches"]
+    assert f["ours_tau"] > 1.5 and abs(f["tau_ratio"] - 1) <= 0.02, f

@@ -92,14 +92,18 @@ def split_overrides(kv: str) -> list[str]:
 def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
     """Our trainer in a process of its own (its own local Ray), the speculators-format export judged."""
     run_dir = out / name
-    base = [f"target={args.target}", f"data.shards={args.capture}", f"out_dir={run_dir}", f"epochs={args.epochs}",
-            'export_formats=["speculators"]']
+    base = [f"target={args.target}", f"data.shards={args.capture}", f"out_dir={run_dir}", f"epochs={args.epochs}"]
+    kind = load_config(TrainConfig, args.ours_config, base + overrides).model.kind
+    fmt = "dflash" if kind == "dflash" else "speculators"  # a DFlash head: vLLM's DFlashDraftModel
+    base.append(f'export_formats=["{fmt}"]')
     cfg = load_config(TrainConfig, args.ours_config, base + overrides)
     cmd = [sys.executable, "-m", "trainer", str(args.ours_config), *base, *overrides]
     rc, secs, rss = peak_rss_run(cmd, out / f"{name}.log")
-    head = run_dir / "head_speculators"
-    entry = {"kind": "eagleray", "overrides": overrides, "train_s": round(secs, 1), "peak_rss_mb": round(rss),
-             "ttt_steps": cfg.model.ttt_length, "tokens_per_step": cfg.data.max_tokens_per_batch *
+    head = run_dir / f"head_{fmt}"
+    entry = {"kind": "eagleray" if kind == "eagle3" else f"eagleray_{kind}", "overrides": overrides,
+             "train_s": round(secs, 1), "peak_rss_mb": round(rss),
+             "ttt_steps": cfg.model.ttt_length if kind == "eagle3" else cfg.model.block_size - 1,
+             "tokens_per_step": cfg.data.max_tokens_per_batch *
              cfg.scaling.num_workers * cfg.optim.grad_accum, "head": str(head)}  # padded tokens, at most
     entry["status"] = "ok" if rc == 0 and (head / "config.json").is_file() else f"failed: {last_lines(out / f'{name}.log')}"
     if (run_dir / "report.json").is_file():  # the training loop alone (evals included), without Ray's start
@@ -243,7 +247,7 @@ def main(argv=None) -> dict:
               "epochs": args.epochs, "training_tokens": tokens}
     for k in (3, 7):
         key = f"vllm_tau_k{k}"
-        peer = [e[key] for e in entries.values() if e["kind"] != "eagleray" and key in e]
+        peer = [e[key] for e in entries.values() if not e["kind"].startswith("eagleray") and key in e]
         ours = entries.get("eagleray", {}).get(key)
         name = "eagleray_vs_best_peer" + ("" if k == 3 else "_k7")
         result[name] = round(ours / max(peer), 4) if peer and ours else None
