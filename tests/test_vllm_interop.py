@@ -177,8 +177,7 @@ def test_vllm_dflash_context_norm_patch_still_needed_and_right(vllm_python):
 @pytest.mark.slow
 def test_vllm_runs_our_dflash_head_as_we_do(vllm_python, tiny_target, tiny_dflash_head, tmp_path, data_dir):
     """Our DFlash export in vLLM (method dflash, the context-norm patch applied) against our engine's chain
-    at the same block: same acceptance, same text; and the patch matters for a 2-layer head (without it
-    vLLM norms layer 1's context keys with layer 0's weight and accepts less or otherwise)."""
+    at the same block size: the same acceptance, the same text."""
     head = tiny_dflash_head / "head_dflash"
     r = check_vllm.main(["--target", str(tiny_target), "--heads", f"dflash={head}", "--vllm-python",
                          str(vllm_python), "--data", str(data_dir), "--n", "12", "--k", "4",

@@ -50,7 +50,9 @@ def run(req: dict) -> dict:
     spec = None
     if req.get("head"):
         method = head_method(req["head"])
-        if method == "dflash":  # vLLM 0.32's CPU build norms every layer's context keys with layer 0's weight
+        # vLLM 0.32's CPU build norms every layer's context keys with layer 0's weight;
+        # EAGLERAY_DFLASH_PATCH=0 runs it stock (to measure what the patch changes)
+        if method == "dflash" and os.environ.get("EAGLERAY_DFLASH_PATCH", "1") != "0":
             import vllm_dflash_patch
             print(f"vllm_runner: dflash context-key norm patch applied: {vllm_dflash_patch.apply()}", flush=True)
         spec = {"method": method, "model": req["head"], "num_speculative_tokens": req["k"]}
