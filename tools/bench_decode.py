@@ -2,7 +2,7 @@
 
     python tools/bench_decode.py [--target runs/demo/target] [--head runs/demo/head/head_speculators]
         [--assistant runs/demo/assistant] [--prompts FILE.jsonl] [--n 40] [--max-new-tokens 96]
-        [--top-k 4] [--depth 5] [--total-tokens 16]
+        [--top-k 4] [--depth 5] [--total-tokens 16] [--compare-head runs/demo/head_dflash/head_dflash]
 
 Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, the tree with `sizing: cost`
 (`eagle_tree_cost`: the shape's depth and total_tokens as caps, each round sized by this machine's measured
@@ -75,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--total-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip", nargs="*", default=[], help="methods to leave out")
+    ap.add_argument("--compare-head", type=Path, help="a second head (e.g. DFlash beside EAGLE-3): its tree and "
+                    "chain run as eagle_cmp_tree / eagle_cmp_chain on the same prompts and target")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="target and head dtype (HF generate runs the same model object)")
     return ap.parse_args(argv)
@@ -111,6 +113,17 @@ def build_methods(gen: EagleGenerator, args) -> dict:
                "eagle_tree_fused_verify": lambda ids: fused_verify(gen, ids, tree),
                "prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
                "assisted": lambda ids: hf(ids, assistant_model=assistant)}
+    if args.compare_head is not None:  # the same target model, a second head and draft runner
+        from pipeline.target import num_layers
+        from trainer.export import import_head
+        from trainer.head import build_head
+
+        state, hcfg, aux = import_head(args.compare_head, num_layers(model.config))
+        head = build_head(hcfg)
+        head.load_state_dict(state, strict=False)
+        head.set_vocab(state["d2t"], state["t2d"])
+        other = EagleGenerator(model, gen.tokenizer, head.to(getattr(torch, args.dtype)), aux or gen.target.aux_layer_ids)
+        methods |= {"eagle_cmp_tree": ours(other, tree), "eagle_cmp_chain": ours(other, chain)}
     skip = set(args.skip)
     if not (gen.target.lean and gen.target.lean.exact_attention):
         skip.add("eagle_tree_fused_verify")  # the same as eagle_tree
@@ -170,7 +183,8 @@ def summarize(agg: dict, n_prompts: int, depth: int) -> dict:
         result[name] = entry
     if "vanilla" in result:
         t_step, van_tps = result["vanilla"]["round_split"]["verify"], result["vanilla"]["tokens_per_s"]
-        for name in ("eagle_tree", "eagle_tree_cost", "eagle_chain", "eagle_tree_hf_forward"):
+        for name in ("eagle_tree", "eagle_tree_cost", "eagle_chain", "eagle_tree_hf_forward", "eagle_cmp_tree",
+                     "eagle_cmp_chain"):
             if name in result:
                 r = result[name]
                 rs = r["round_split"]
@@ -191,7 +205,8 @@ def main(argv=None) -> dict:
     result = {"lean_target": lean is not None, "dtype": args.dtype,
               "packed_linears": bool(lean and lean.packed),
               "depth": args.depth, "prompts": len(texts), "max_new_tokens": args.max_new_tokens,
-              "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}}
+              "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens},
+              "head": str(args.head), "compare_head": str(args.compare_head) if args.compare_head else None}
     result.update(summarize(agg, len(texts), args.depth))
     print(json.dumps(result))
     return result
