@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.head import MLP, HeadConfig, RMSNorm, Rotary
+from trainer.head import MLP, DraftVocab, HeadConfig, RMSNorm
 
 
 class DFlashAttention(nn.Module):
@@ -72,7 +72,7 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashHead(nn.Module):
+class DFlashHead(DraftVocab):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         assert cfg.kind == "dflash", cfg.kind
@@ -82,13 +82,7 @@ class DFlashHead(nn.Module):
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
-        self.rotary = Rotary(cfg)
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+        self._draft_vocab(cfg)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, d] for positions [B, T] (broadcast over heads)."""

@@ -189,21 +189,29 @@ def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dic
     if aux is None and num_target_layers is not None:
         aux = default_aux_layers(num_target_layers)
     check_keys(state, str(folder), options)
+    cfg = _config_of(fields, folder, **options)
+    _check_shapes(state, cfg, str(folder))
+    return state, cfg, aux
+
+
+def _config_of(fields: dict, folder: Path, **extra) -> HeadConfig:
+    """A HeadConfig from Llama/Qwen3-style config fields (either kind); one line naming the folder and the
+    missing key or the refused value."""
     rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
     if fields.get("rope_scaling"):
         rope.update(fields["rope_scaling"])
     try:
-        cfg = HeadConfig(
+        return HeadConfig(
             hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
             num_attention_heads=fields["num_attention_heads"], num_key_value_heads=fields["num_key_value_heads"],
             head_dim=fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"],
             vocab_size=fields["vocab_size"], draft_vocab_size=fields["draft_vocab_size"],
             target_hidden_size=fields["target_hidden_size"], rms_norm_eps=fields["rms_norm_eps"],
-            max_position_embeddings=fields["max_position_embeddings"], rope_parameters=rope, **options)
-    except ValueError as err:
+            max_position_embeddings=fields["max_position_embeddings"], rope_parameters=rope, **extra)
+    except KeyError as err:
+        raise ValueError(f"{folder}: config.json: {err.args[0]}: missing") from None
+    except (TypeError, ValueError) as err:
         raise ValueError(f"{folder}: {err}") from None
-    _check_shapes(state, cfg, str(folder))
-    return state, cfg, aux
 
 
 def _check_shapes(state: dict, cfg: HeadConfig, where: str) -> None:
@@ -276,28 +284,15 @@ def import_dflash(conf: dict, raw: dict, folder: Path, num_target_layers: int | 
         raise ValueError(f"{folder}: dflash_config.target_layer_ids: missing (which target layers feed the head)")
     if num_target_layers is not None:
         resolve_aux_layers(num_target_layers, aux, f"{folder}: dflash_config.target_layer_ids")
+    fields = dict(conf, draft_vocab_size=conf.get("draft_vocab_size") or conf.get("vocab_size"),
+                  target_hidden_size=conf.get("target_hidden_size") or conf.get("hidden_size"))
+    cfg = _config_of(fields, folder, kind="dflash", num_layers=conf.get("num_hidden_layers", 0),
+                     block_size=conf.get("block_size", 0), mask_token_id=dcfg.get("mask_token_id"))
     state = dict(raw)
-    if "d2t" not in state:
-        state["d2t"] = torch.zeros(conf.get("draft_vocab_size") or conf["vocab_size"], dtype=torch.long)
+    if "d2t" not in state:  # shipped only for a smaller draft vocabulary (export_dflash)
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
     if "t2d" not in state:
-        state["t2d"] = torch.ones(conf["vocab_size"], dtype=torch.bool)
-    rope = {"rope_type": "default", "rope_theta": conf.get("rope_theta", 10000.0)}
-    if conf.get("rope_scaling"):
-        rope.update(conf["rope_scaling"])
-    try:
-        cfg = HeadConfig(
-            hidden_size=conf["hidden_size"], intermediate_size=conf["intermediate_size"],
-            num_attention_heads=conf["num_attention_heads"], num_key_value_heads=conf["num_key_value_heads"],
-            head_dim=conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"],
-            vocab_size=conf["vocab_size"], draft_vocab_size=conf.get("draft_vocab_size") or conf["vocab_size"],
-            target_hidden_size=conf.get("target_hidden_size") or conf["hidden_size"], rms_norm_eps=conf["rms_norm_eps"],
-            max_position_embeddings=conf["max_position_embeddings"], rope_parameters=rope, kind="dflash",
-            num_layers=conf["num_hidden_layers"], block_size=conf.get("block_size", 0),
-            mask_token_id=dcfg.get("mask_token_id"))
-    except KeyError as err:
-        raise ValueError(f"{folder}: config.json: {err.args[0]}: missing") from None
-    except ValueError as err:
-        raise ValueError(f"{folder}: {err}") from None
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
     check_keys(state, str(folder), want=state_keys(cfg))
     _check_shapes(state, cfg, str(folder))
     return state, cfg, aux

@@ -55,6 +55,8 @@ class HeadConfig:
             if any(self.options.values()):
                 raise ValueError("model.kind: dflash reads none of the EAGLE 3.1 options (norm_before_fc, fc_norm, "
                                  "norm_before_residual, norm_output)")
+            if self.num_layers < 1:
+                raise ValueError(f"model.num_layers: a DFlash head needs at least one layer, not {self.num_layers}")
             if self.block_size < 2:
                 raise ValueError(f"model.block_size: a DFlash block is the anchor plus at least one mask, not {self.block_size}")
             if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
@@ -208,7 +210,22 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
 
 
-class Eagle3Head(nn.Module):
+class DraftVocab(nn.Module):
+    """What every draft kind shares: the draft vocabulary's maps (d2t: draft id -> target id offset, t2d:
+    target id in the draft vocabulary) as buffers, and the fp32 RoPE tables. Subclasses call `_draft_vocab`
+    after their parameters, so parameter order (and old optimizer checkpoints) stay as they were."""
+
+    def _draft_vocab(self, cfg: HeadConfig) -> None:
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.rotary = Rotary(cfg)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+
+class Eagle3Head(DraftVocab):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.config = cfg
@@ -219,13 +236,7 @@ class Eagle3Head(nn.Module):
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
-        self.rotary = Rotary(cfg)
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+        self._draft_vocab(cfg)
 
     def features(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [..., 3 Ht] (low, mid, high) -> the first step's h [..., H]."""
