@@ -18,7 +18,7 @@ import torch
 
 from pipeline import storage
 from pipeline.buckets import length_buckets
-from pipeline.cluster import check_actor_cpus
+from pipeline.cluster import check_actor_cpus, map_with_actors, retry_lost
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
 from pipeline.progress import progress_bar
 from pipeline.hidden import capture_hidden, check_logit_rule, to_host
@@ -155,11 +155,18 @@ def run_capture(cfg: Capture, target: Path, tokens_path, out_dir, provenance: di
     todo, done = pending_shards(out_dir, tokens, ranges, signature)
     t0 = time.perf_counter()
     results = []
+
+    def capture_pending():  # each attempt redoes only the shards not yet written (pending_shards)
+        pending, _ = pending_shards(out_dir, tokens, ranges, signature)
+        if pending:
+            results.extend(capture_dataset(cfg, target, tokens_path, pending, signature, out_dir, "write",
+                                           restart_actors=False).take_all())
+
     if todo:
         names = {shard_name(i) for i, _, _ in ranges}
         written = lambda: len(names.intersection(storage.list_names(out_dir, "shard-*.parquet")))  # noqa: E731
         with progress_bar("capture", len(ranges), written, unit="shard"):
-            results = capture_dataset(cfg, target, tokens_path, todo, signature, out_dir, "write").take_all()
+            retry_lost("capture", capture_pending, cfg.max_attempts)
     wall = time.perf_counter() - t0
     manifest = write_manifest(out_dir, ranges, signature, target, provenance)
     fwd = sum(r["forward_s"] for r in results)
@@ -189,19 +196,24 @@ def write_manifest(out_dir, ranges, signature: dict, target: Path, provenance: d
 
 
 def capture_dataset(cfg: Capture, target: Path, tokens_path, ranges, signature: dict,
-                    out_dir=None, mode: str = "stream"):
+                    out_dir=None, mode: str = "stream", restart_actors: bool = True):
     """A Ray Data dataset over shard `ranges` from a pool of capture actors (`CaptureWorker` modes):
     "stream" yields the rows with hidden states (SHARD_SCHEMA) in `ranges` order and writes nothing,
-    "write_rows" also writes each shard to out_dir, "write" writes and yields counts only."""
+    "write_rows" also writes each shard to out_dir, "write" writes and yields counts only.
+    `restart_actors`: Ray Data restarts a killed actor and retries its shard in place, which a streamed
+    epoch needs (tests/test_stream.py); a writing run that can resume from its shards turns it off and
+    retries the missing shards itself (`run_capture`), which keeps Ray's false-alarm error line per
+    restartable actor off the console (pipeline.cluster.map_with_actors)."""
     check_actor_cpus("capture.num_cpus_per_actor", min(cfg.num_actors, len(ranges)), cfg.num_cpus_per_actor)
     items = [{"index": i, "start": s, "end": e} for i, s, e in ranges]
-    # Restartable actors (Ray Data's default): a streamed epoch has no shard files to resume from, and a
-    # killed actor's shard is retried in place (tests/test_stream.py). Ray's core logs one false-alarm
-    # error line per actor for it (ray#57733; pipeline.cluster.map_with_actors).
-    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        CaptureWorker, batch_size=1, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
-        num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
-        resources=cfg.resources_per_actor or None,
-        fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
-                                   out_dir=str(out_dir) if out_dir else None, signature=signature, mode=mode))
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    kwargs = dict(batch_size=1, batch_format="numpy",
+                  compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(items))),
+                  num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
+                  resources=cfg.resources_per_actor or None,
+                  fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
+                                             out_dir=str(out_dir) if out_dir else None, signature=signature,
+                                             mode=mode))
+    if restart_actors:
+        return ds.map_batches(CaptureWorker, **kwargs)
+    return map_with_actors(ds, CaptureWorker, **kwargs)

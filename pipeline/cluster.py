@@ -102,17 +102,46 @@ def quiet_ray_data() -> None:
 
 
 def map_with_actors(ds, cls, **kwargs):
-    """`ds.map_batches(cls, ...)` on an actor pool whose actors Ray does not restart (regeneration's).
-    Restartable actors make Ray's core log an error line at every actor's start, because Ray Data passes
-    them their arguments through the object store (ray-project/ray#57733: a false alarm, the driver holds
-    those references). Regeneration resumes from its parts instead. Capture keeps Ray Data's restarts: a
-    streamed epoch (trainer/sources.py) has no files to resume from. This Ray takes `max_restarts` only
-    through the deprecated `**ray_remote_args`, so that deprecation warning is dropped for this one call."""
+    """`ds.map_batches(cls, ...)` on an actor pool whose actors Ray does not restart (regeneration's and a
+    pipeline capture's). Restartable actors make Ray's core log an error line at every actor's start,
+    because Ray Data passes them their arguments through the object store (ray-project/ray#57733: a false
+    alarm, the driver holds those references). Those stages write finished parts and resume from them, so
+    `retry_lost` reruns what a lost actor left undone instead. A streamed epoch (trainer/sources.py) has no
+    files to resume from and keeps Ray Data's restarts. This Ray takes `max_restarts` only through the
+    deprecated `**ray_remote_args`, so that deprecation warning is dropped for this one call."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
         return ds.map_batches(cls, max_restarts=0, **kwargs)
+
+
+def lost_worker(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) says a process or node died, not that our code failed."""
+    from ray import exceptions as rx
+
+    lost = (rx.RayActorError, rx.NodeDiedError, rx.WorkerCrashedError, rx.ObjectLostError, rx.LocalRayletDiedError)
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, lost):
+            return not getattr(exc, "actor_init_failed", False)  # an __init__ that raised is our code's error
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def retry_lost(stage: str, run, attempts: int = 3):
+    """`run()`, again after a lost actor or node (`lost_worker`), at most `attempts` times in all. `run`
+    must redo only what is not yet written (capture's shards, regeneration's chunks), so a retry costs the
+    lost work only. Any other error, and the last loss, propagate."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return run()
+        except Exception as exc:  # noqa: BLE001 - filtered by lost_worker, re-raised otherwise
+            if attempt == attempts or not lost_worker(exc):
+                raise
+            print(f"[{stage}] a worker was lost ({type(exc).__name__}); attempt {attempt + 1} of {attempts} "
+                  "redoes the unfinished parts", flush=True)
 
 
 def check_actor_cpus(key: str, num_actors: int, cpus_per_actor: float) -> None:

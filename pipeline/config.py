@@ -88,6 +88,7 @@ class Regenerate(StrictModel):
     resources_per_actor: dict[str, float] = {}  # custom Ray resources, e.g. {eagleray_worker: 0.5}: actors
     #                                             only on nodes that offer them (docs/USAGE.md "On a cluster")
     on_error: Literal["keep_original", "drop"] = "keep_original"
+    max_attempts: int = Field(3, ge=1)  # as capture's: a lost actor's chunks are redone by the next attempt
 
 
 class ChatTemplate(StrictModel):
@@ -119,6 +120,8 @@ class Capture(StrictModel):
     compression_level: int = Field(3, ge=1, le=22)
     threads_per_actor: int | None = None
     resources_per_actor: dict[str, float] = {}  # as regenerate's
+    # A lost actor or node fails an attempt; the next redoes the shards not yet written (pipeline.cluster.retry_lost)
+    max_attempts: int = Field(3, ge=1)
 
 
 class Vocab(StrictModel):
