@@ -9,12 +9,26 @@ def test_shipped_files_match_their_checksums(data_dir):
     listed = dict(reversed(line.split()) for line in (data_dir / "SHA256SUMS").read_text().splitlines())
     on_disk = sorted("./" + str(p.relative_to(data_dir)) for p in data_dir.rglob("*")
                      if p.is_file() and p.name not in ("SHA256SUMS", "README.md"))
-    assert sorted(listed) == on_disk and len(on_disk) == 31
+    assert sorted(listed) == on_disk and len(on_disk) == 39
     for rel, digest in listed.items():
         assert hashlib.sha256((data_dir / rel).read_bytes()).hexdigest() == digest, rel
     readme = (data_dir / "README.md").read_text()
     assert dict(re.findall(r"\| `([^`]+)` \| `([0-9a-f]{64})` \|", readme)) == {k[2:]: v for k, v in listed.items()}
-    assert sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file()) < 4e6  # "a few MB"
+    size = lambda ps: sum(p.stat().st_size for p in ps if p.is_file())  # noqa: E731
+    shipped_target = size((data_dir / "demo_target").iterdir())
+    assert size(data_dir.rglob("*")) - shipped_target < 4e6 and shipped_target < 8e6  # "a few MB"
+
+
+def test_shipped_demo_target_is_the_demo_recipe(data_dir):
+    """`make demo` copies data/demo_target only when it was trained from the demo's recipe (tools/demo_target.py
+    use_shipped): a preset changed without retraining and reshipping would make every demo train for ~12 min."""
+    import json
+
+    import demo_target as dt
+
+    report = json.loads((data_dir / "demo_target/report.json").read_text())
+    assert report["recipe"]["resolved"] == dt.PRESETS["demo4m"] and report["recipe"]["seed"] == 0
+    assert not report["hit_time_cap"] and report["val_loss"] < 1.0
 
 
 def test_nothing_tracked_reads_beside_the_clone(repo_root):

@@ -30,6 +30,9 @@ def test_summary_names_every_output_and_each_benchmark(tmp_path):
     assert any("mt_bench  tau 2.90   speedup 1.80x" in ln for ln in out)
     assert any("gsm8k     tau 3.10   speedup 2.00x" in ln for ln in out)
     assert "A: def f(xs): return sum(xs)" in text and "fluent but often wrong" in text
+    assert "13.2M-parameter model trained in minutes on generated chats (trained here)" in text
     assert "max_minutes" not in text and len(out) <= 24  # fits one screen
     write(d / "target/report.json", {"params": 13181184, "steps_run": 48, "hit_time_cap": True})
     assert "max_minutes" in "\n".join(lines(d))
+    write(d / "target/report.json", {"params": 3700000, "steps_run": 250, "shipped_from": "data/demo_target"})
+    assert "3.7M-parameter model trained in minutes on generated chats (shipped in data/demo_target/" in "\n".join(lines(d))

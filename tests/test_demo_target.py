@@ -68,3 +68,38 @@ def test_config_override_and_reuse(tiny_target, capsys):
 def test_distinct_2():
     assert dt.distinct_2([[1, 2, 3], [1, 2, 4]]) == 3 / 4
     assert dt.distinct_2([[5, 5, 5, 5]]) == 1 / 3
+
+
+def test_shipped_target_is_used_checked_and_refused(tiny_target, tmp_path, capsys):
+    """`--shipped`: a target shipped for this recipe and corpus is written out in fp32 without training; a
+    corrupted file is refused in one line; another recipe trains instead."""
+    corpus = json.loads((tiny_target / "report.json").read_text())["recipe"]["corpus"]
+    shipped = tmp_path / "data" / "demo_target"
+    dt.ship(tiny_target, shipped)
+    import hashlib
+
+    (tmp_path / "data/SHA256SUMS").write_text("".join(
+        f"{hashlib.sha256(f.read_bytes()).hexdigest()}  ./demo_target/{f.name}\n" for f in sorted(shipped.iterdir())))
+    assert (shipped / "model.safetensors").stat().st_size < 0.6 * (tiny_target / "model.safetensors").stat().st_size
+    t0 = time.time()
+    report = dt.main(["--out", str(tmp_path / "out"), "--preset", "tiny", "--corpus", *corpus, "--shipped", str(shipped)])
+    assert time.time() - t0 < 30 and report["shipped_from"] == str(shipped)
+    assert "shipped in" in capsys.readouterr().out
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_target)
+    assert ours.dtype == torch.float32
+    for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert torch.equal(a, b.to(torch.bfloat16).float()), name  # the bf16-rounded trained weights
+    # A recipe the shipped target was not trained from is not copied (main then trains one).
+    other = dt.TargetRecipe(out=tmp_path / "other", preset="tiny", corpus=corpus, steps=2)
+    assert dt.use_shipped(other, shipped) is None and not (tmp_path / "other").exists()
+    assert "trained from another recipe" in capsys.readouterr().out
+    raw = bytearray((shipped / "model.safetensors").read_bytes())
+    raw[-1] ^= 1
+    (shipped / "model.safetensors").write_bytes(bytes(raw))
+    try:
+        dt.main(["--out", str(tmp_path / "bad"), "--preset", "tiny", "--corpus", *corpus, "--shipped", str(shipped)])
+    except SystemExit as exc:
+        assert "model.safetensors does not match its sha256" in str(exc)
+    else:
+        raise AssertionError("a corrupted shipped target was used")

@@ -26,6 +26,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=Path("runs/demo/decode.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the step's console is its one line
     gen = EagleGenerator.from_folders(args.target, args.head)
     prompts = args.prompt or ["Sam has 17 marbles. Sam buys 8 more and then gives 5 to Tara. How many marbles does Sam have now?",
                               "Write a Python function that returns the largest number in a list."]

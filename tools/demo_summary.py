@@ -50,12 +50,14 @@ def lines(demo: Path, seconds: float | None = None) -> list[str]:
     if srv:
         out += [f"  serve     {srv['endpoint']} (openai client, model {srv['model']}), tau {srv['tau']}",
                 f"            Q: {srv['question'][:90]}", f"            A: {_one_line(srv['answer'])}"]
-    out += ["", "The demo target is a 13M-parameter model trained in minutes on generated chats: its answers are",
-            "fluent but often wrong. What the demo shows is the draft head making the target's own output come",
-            "out faster, token for token identical. Next: README.md \"The stages\" for your own target and data."]
+    how = "shipped in data/demo_target/ (make demo-target retrains it)" if tgt.get("shipped_from") else "trained here"
+    out += ["", f"The demo target is a {tgt.get('params', 0) / 1e6:.1f}M-parameter model trained in minutes on generated "
+            f"chats ({how}):", "its answers are fluent but often wrong. What the demo shows is the draft head making "
+            "the target's own", "output come out faster, token for token identical. Next: README.md \"The stages\" "
+            "for your own target and data."]
     if tgt.get("hit_time_cap"):
         out.insert(3, "            (its training hit max_minutes on this machine: `make clean-demo` and "
-                      "`make demo DEMO_TARGET_ARGS=max_minutes=30` for the full recipe)")
+                      "`make demo-target` for the full recipe)")
     return out
 
 

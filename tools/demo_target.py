@@ -45,6 +45,12 @@ PRESETS = {
     "demo": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=16,
                  num_attention_heads=8, num_key_value_heads=2, seq_len=256, batch_size=16, steps=220,
                  lr=3e-3, max_records=0),
+    # The demo's target (`make demo`): the demo preset's 16 layers at half the width, ~3.7M parameters, so
+    # every later stage runs in minutes on a 2-core laptop. Shipped trained in data/demo_target/ (bf16,
+    # `--shipped`): training it takes ~12 min there, more than the whole demo's budget.
+    "demo4m": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=16,
+                   num_attention_heads=4, num_key_value_heads=2, seq_len=256, batch_size=16, steps=250,
+                   lr=4e-3, max_records=0),
     # A 2-layer model of about a draft head's cost, for HF assisted generation in bench_decode.
     "assistant": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, seq_len=256, batch_size=16, steps=220,
@@ -263,6 +269,61 @@ def train_target(rc: TargetRecipe) -> dict:
     return report | {"samples": samples[:3]}
 
 
+SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja", "report.json", "samples.json")
+
+
+def ship(out: Path, dest: Path) -> None:
+    """Write the trained target in `out` to `dest` for the repo: bf16 weights (half the bytes), the rest as is."""
+    from transformers import AutoModelForCausalLM
+
+    dest.mkdir(parents=True, exist_ok=True)
+    AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(torch.bfloat16).save_pretrained(dest)
+    for name in SHIPPED_FILES:
+        if name not in ("config.json", "generation_config.json", "model.safetensors") and (out / name).is_file():
+            (dest / name).write_bytes((out / name).read_bytes())
+
+
+def checked_sums(folder: Path) -> None:
+    """Refuse a shipped file whose sha256 differs from its line in `folder`/../SHA256SUMS (data/'s one list)."""
+    import hashlib
+
+    sums = {}
+    for line in (folder.parent / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        sums[name.removeprefix("./")] = digest
+    for f in sorted(folder.iterdir()):
+        key = f"{folder.name}/{f.name}"
+        if sums.get(key) != hashlib.sha256(f.read_bytes()).hexdigest():
+            raise SystemExit(f"shipped target: {f} does not match its sha256 in {folder.parent / 'SHA256SUMS'}; "
+                             "restore it with git, or retrain: make demo-target")
+
+
+def use_shipped(rc: TargetRecipe, shipped: Path) -> dict | None:
+    """The target shipped in `shipped`, written to rc.out in fp32, when it was trained from this recipe and
+    corpus; None (train instead) when it was not. -> its report, marked as shipped."""
+    report = json.loads((shipped / "report.json").read_text())
+    key, want = report["recipe"], recipe_key(rc)
+    if (key["resolved"], key["seed"], sorted(key["corpus"].values())) != \
+            (want["resolved"], want["seed"], sorted(want["corpus"].values())):
+        print(f"target: {shipped} was trained from another recipe or corpus; training one here", flush=True)
+        return None
+    checked_sums(shipped)
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the step's console is its one line
+
+    rc.out.mkdir(parents=True, exist_ok=True)
+    AutoModelForCausalLM.from_pretrained(shipped, dtype=torch.float32).save_pretrained(rc.out)  # vLLM's CPU build wants fp32 here
+    for name in SHIPPED_FILES:
+        if name not in ("config.json", "generation_config.json", "model.safetensors") and (shipped / name).is_file():
+            (rc.out / name).write_bytes((shipped / name).read_bytes())
+    report = report | {"shipped_from": str(shipped), "recipe": want}
+    (rc.out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="YAML with TargetRecipe keys (flags and key=value override it)")
@@ -272,6 +333,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--reuse", action="store_true",
                     help="skip training when --out already holds a target built from the same recipe")
+    ap.add_argument("--shipped", type=Path,
+                    help="a trained target shipped with the repo (data/demo_target): used when it was trained from "
+                         "this recipe and corpus and its checksums hold, else the target is trained")
+    ap.add_argument("--ship", type=Path, help="after training, also write a bf16 copy to this folder (for data/)")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. steps=100")
     args = ap.parse_args(argv)
     overrides = list(args.overrides)
@@ -286,15 +351,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.reuse and old.get("hit_time_cap"):  # a target cut short (a busy machine) is not the recipe's target
         print(f"retraining {recipe.out}: its previous training stopped at max_minutes after "
               f"{old.get('steps_run')} steps", flush=True)
+    report = None
     if args.reuse and old.get("recipe") == recipe_key(recipe) and not old.get("hit_time_cap"):
         report = json.loads(previous.read_text())
-        report["samples"] = json.loads((recipe.out / "samples.json").read_text())[:3]
         print(f"target: reusing the target in {recipe.out} (same recipe; delete the folder to retrain)")
-    else:
+    elif args.shipped is not None and (args.shipped / "report.json").is_file():
+        report = use_shipped(recipe, args.shipped)
+    if report is None:
         report = train_target(recipe)
+    if args.ship is not None:
+        ship(recipe.out, args.ship)
     # Loss, size and time; the sample answers stay in samples.json: a model this small trained this briefly
     # writes fluent text with wrong arithmetic, which on a console reads like a bug.
-    print(f"target: {report['params'] / 1e6:.1f}M params, {report['steps_run']} steps in {report['train_s']:.0f} s, "
+    how = f"trained by this recipe in {report['train_s']:.0f} s"
+    if report.get("shipped_from"):
+        how = f"shipped in {report['shipped_from']}/, trained by this recipe in {report['train_s']:.0f} s elsewhere"
+    print(f"target: {report['params'] / 1e6:.1f}M params, {report['steps_run']} steps ({how}), "
           f"loss {report['first_loss']:.2f} -> {report['final_train_loss']:.2f} (held-out {report['val_loss']:.2f}); "
           f"{recipe.out}/ (samples.json)", flush=True)
     if report.get("hit_time_cap"):
