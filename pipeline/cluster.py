@@ -56,6 +56,17 @@ def verbose() -> bool:
 _STARTED_LOCAL = False
 
 
+def _no_colour_reset_at_exit() -> None:
+    """Ray's CLI logger runs `colorama.init()` as Ray starts, which registers an exit hook that writes an
+    ANSI reset to a terminal: a stray blank line after every stage of the demo. Our drivers print no colour."""
+    import atexit
+    import sys
+
+    initialise = sys.modules.get("colorama.initialise")
+    if initialise is not None:
+        atexit.unregister(initialise.reset_all)
+
+
 def started_local_ray() -> bool:
     """Whether this process started the Ray it is connected to (so stopping it ends everything on it)."""
     import ray
@@ -80,6 +91,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                  _node_ip_address="127.0.0.1", log_to_driver=verbose(), logging_level="WARNING")
         how, _STARTED_LOCAL = "started a local Ray", True
+    _no_colour_reset_at_exit()
     try:
         logs = ray._private.worker.global_worker.node.get_logs_dir_path()
     except AttributeError:  # joined through a client: the logs live on the cluster

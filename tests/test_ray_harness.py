@@ -77,3 +77,38 @@ def test_stop_head_stops_its_cluster_and_no_other(ray_cluster):
             if any(m in a for a in (p.info["cmdline"] or []) for m in (*head["markers"], head["address"]))]
     assert left == [], left
     assert ray.get(ray.remote(lambda: 7).remote()) == 7 and ray.cluster_resources()["CPU"] == 2
+
+
+def test_a_stage_on_a_terminal_ends_without_a_colour_reset(ray_cluster):
+    """Starting Ray loads its CLI logger, which registers colorama's exit hook, which writes ESC[0m to a
+    terminal: a stray line after every demo stage. ensure_ray removes it (pipeline.cluster._no_colour_reset_at_exit)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def run(code: str) -> bytes:
+        leader, follower = pty.openpty()
+        env = {k: v for k, v in ray_cluster["env"].items() if k != "RAY_ADDRESS"}  # a Ray of its own, as a stage
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=follower, stderr=follower)
+        os.close(follower)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        proc.wait(timeout=120)
+        os.close(leader)
+        assert proc.returncode == 0, out[-2000:]
+        return out
+
+    # Joining a cluster loads no CLI logger; starting one (every demo stage) does.
+    assert b"\x1b[0m" in run("import ray; ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)")
+    out = run("from pipeline.cluster import ensure_ray; print(ensure_ray(num_cpus=1))")
+    assert b"started a local Ray" in out and b"\x1b[0m" not in out, out
