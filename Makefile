@@ -59,7 +59,7 @@ test: $(STAMP)
 clean-demo:
 	rm -rf $(DEMO)
 
-# The demo target trained here from its recipe instead of taken from data/demo_target/ (~12 min on 2 cores);
+# The demo target trained here from its recipe instead of taken from data/demo_target/ (13-17 min on 2 cores);
 # `make demo` then reuses it. Shipping a retrained one: docs/USAGE.md "The demo target".
 demo-target: $(STAMP)
 	@$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0

@@ -21,7 +21,7 @@ def test_shipped_files_match_their_checksums(data_dir):
 
 def test_shipped_demo_target_is_the_demo_recipe(data_dir):
     """`make demo` copies data/demo_target only when it was trained from the demo's recipe (tools/demo_target.py
-    use_shipped): a preset changed without retraining and reshipping would make every demo train for ~12 min."""
+    use_shipped): a preset changed without retraining and reshipping would make every demo train for 13-17 min."""
     import json
 
     import demo_target as dt

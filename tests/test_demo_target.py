@@ -91,7 +91,7 @@ def test_shipped_target_is_used_checked_and_refused(tiny_target, tmp_path, capsy
     for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
         assert torch.equal(a, b.to(torch.bfloat16).float()), name  # the bf16-rounded trained weights
     # A recipe the shipped target was not trained from is not copied (main then trains one).
-    other = dt.TargetRecipe(out=tmp_path / "other", preset="tiny", corpus=corpus, steps=2)
+    other = dt.TargetRecipe(out=tmp_path / "other", preset="tiny", corpus=list(corpus), steps=2)
     assert dt.use_shipped(other, shipped) is None and not (tmp_path / "other").exists()
     assert "trained from another recipe" in capsys.readouterr().out
     raw = bytearray((shipped / "model.safetensors").read_bytes())
