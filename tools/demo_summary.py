@@ -50,7 +50,7 @@ def lines(demo: Path, seconds: float | None = None) -> list[str]:
     if srv:
         out += [f"  serve     {srv['endpoint']} (openai client, model {srv['model']}), tau {srv['tau']}",
                 f"            Q: {srv['question'][:90]}", f"            A: {_one_line(srv['answer'])}"]
-    how = "shipped in data/demo_target/ (make demo-target retrains it)" if tgt.get("shipped_from") else "trained here"
+    how = "shipped in data/demo_target/; make demo-target retrains it" if tgt.get("shipped_from") else "trained here"
     out += ["", f"The demo target is a {tgt.get('params', 0) / 1e6:.1f}M-parameter model trained in minutes on generated "
             f"chats ({how}):", "its answers are fluent but often wrong. What the demo shows is the draft head making "
             "the target's own", "output come out faster, token for token identical. Next: README.md \"The stages\" "
