@@ -273,15 +273,20 @@ SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "
                  "tokenizer_config.json", "chat_template.jinja", "report.json", "samples.json")
 
 
+def copy_beside_weights(src: Path, dest: Path) -> None:
+    """The shipped files save_pretrained does not write (tokenizer, template, report, samples), as they are."""
+    for name in SHIPPED_FILES:
+        if name not in ("config.json", "generation_config.json", "model.safetensors") and (src / name).is_file():
+            (dest / name).write_bytes((src / name).read_bytes())
+
+
 def ship(out: Path, dest: Path) -> None:
     """Write the trained target in `out` to `dest` for the repo: bf16 weights (half the bytes), the rest as is."""
     from transformers import AutoModelForCausalLM
 
     dest.mkdir(parents=True, exist_ok=True)
     AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(torch.bfloat16).save_pretrained(dest)
-    for name in SHIPPED_FILES:
-        if name not in ("config.json", "generation_config.json", "model.safetensors") and (out / name).is_file():
-            (dest / name).write_bytes((out / name).read_bytes())
+    copy_beside_weights(out, dest)
 
 
 def checked_sums(folder: Path) -> None:
@@ -316,9 +321,7 @@ def use_shipped(rc: TargetRecipe, shipped: Path) -> dict | None:
 
     rc.out.mkdir(parents=True, exist_ok=True)
     AutoModelForCausalLM.from_pretrained(shipped, dtype=torch.float32).save_pretrained(rc.out)  # vLLM's CPU build wants fp32 here
-    for name in SHIPPED_FILES:
-        if name not in ("config.json", "generation_config.json", "model.safetensors") and (shipped / name).is_file():
-            (rc.out / name).write_bytes((shipped / name).read_bytes())
+    copy_beside_weights(shipped, rc.out)
     report = report | {"shipped_from": str(shipped), "recipe": want}
     (rc.out / "report.json").write_text(json.dumps(report, indent=2))
     return report
