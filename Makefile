@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	@mkdir -p $(DEMO) && date +%s > $(DEMO)/.started
 	@$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
-	@$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo4m --corpus $(DEMO)/corpus/train.jsonl --reuse \
+	@$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo1m --corpus $(DEMO)/corpus/train.jsonl --reuse \
 		--shipped data/demo_target $(DEMO_TARGET_ARGS)
 	@$(PY) -m pipeline configs/pipeline/demo.yaml
 	@rm -rf $(DEMO)/head
@@ -59,11 +59,11 @@ test: $(STAMP)
 clean-demo:
 	rm -rf $(DEMO)
 
-# The demo target trained here from its recipe instead of taken from data/demo_target/ (13-17 min on 2 cores);
+# The demo target trained here from its recipe instead of taken from data/demo_target/ (~3 min on 2 AVX-512 cores, ~8 on AVX2);
 # `make demo` then reuses it. Shipping a retrained one: docs/USAGE.md "The demo target".
 demo-target: $(STAMP)
 	@$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
-	@$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo4m --corpus $(DEMO)/corpus/train.jsonl \
+	@$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo1m --corpus $(DEMO)/corpus/train.jsonl \
 		max_minutes=30 $(DEMO_TARGET_ARGS)
 
 # Needs the demo target and head (make demo). Loads our head in both formats in vLLM and compares
