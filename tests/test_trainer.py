@@ -131,3 +131,16 @@ def test_two_workers_trade_rows_and_replay_the_cached_epoch(tmp_path, ray_cluste
     cached, streamed = train_losses(tmp_path / "cached/out"), train_losses(tmp_path / "streamed/out")
     assert len(cached) == len(streamed) > 6
     assert max(abs(a - b) for x, y in zip(cached, streamed) for a, b in zip(x, y)) <= 1e-6
+
+
+def test_lr_schedules_warm_up_then_decay_to_the_floor():
+    """optim.schedule: both shapes warm up alike and end at min_lr_ratio; linear sits below cosine before the
+    middle of the decay and above it after (cosine is flat at both ends)."""
+    from trainer.loop import lr_lambda
+
+    cos, lin = lr_lambda(110, 0.1, 0.1), lr_lambda(110, 0.1, 0.1, "linear")
+    assert [cos(s) for s in range(11)] == [lin(s) for s in range(11)] == pytest.approx([(s + 1) / 11 for s in range(11)])
+    assert cos(110) == pytest.approx(0.1) and lin(110) == pytest.approx(0.1)
+    assert lin(44) == pytest.approx(0.1 + 0.9 * 2 / 3) and lin(44) < cos(44)  # 11 warm-up steps, 99 of decay
+    assert lin(77) == pytest.approx(0.1 + 0.9 / 3) and lin(77) > cos(77)
+    assert TrainConfig.model_fields["optim"].annotation(schedule="linear").schedule == "linear"

@@ -48,6 +48,7 @@ class Optim(StrictModel):
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.015, ge=0, lt=1)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    schedule: Literal["cosine", "linear"] = "cosine"  # decay after warm-up (speculators' default: linear)
     grad_clip: float = Field(0.5, gt=0)
     grad_accum: int = Field(1, ge=1)
 

@@ -38,14 +38,15 @@ def run_files(cfg: TrainConfig) -> Mirror:
 CKPT_TAG = "ckpt"
 
 
-def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
+def lr_lambda(total: int, warmup_ratio: float, min_ratio: float, shape: str = "cosine"):
+    """LR multiplier at each step: linear warm-up, then cosine or linear decay to min_ratio at `total`."""
     warm = max(1, int(math.ceil(total * warmup_ratio)))
 
     def f(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
         prog = min(1.0, (step - warm) / max(1, total - warm))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+        return min_ratio + (1 - min_ratio) * (1 - prog if shape == "linear" else 0.5 * (1 + math.cos(math.pi * prog)))
     return f
 
 
@@ -105,7 +106,8 @@ class HeadTrainer:
         o = self.cfg.optim
         trainable = [p for p in objective.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
+        shape = lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio, o.schedule)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, shape)
         ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": o.grad_accum,
                   "gradient_clipping": o.grad_clip, "steps_per_print": 10 ** 9,
                   "zero_optimization": {"stage": self.cfg.deepspeed.zero_stage},
