@@ -75,6 +75,9 @@ class Model(StrictModel):
     # (speculators' recipe, which also freezes them: freeze_lm_head).
     lm_head_init: Literal["random", "target"] = "random"
     freeze_lm_head: bool = False
+    # Every Linear weight's start: None keeps PyTorch's (Kaiming-uniform), a number draws N(0, std) with
+    # zero biases, as Hugging Face's `initializer_range` (0.02) does for speculators' heads.
+    init_std: float | None = Field(None, gt=0)
     # The loss (trainer/ttt.py TTTObjective): each step's sum over every padded position of the batch, or
     # the mean over the positions it counts; positions whose target argmax is outside the draft vocab
     # dropped, or kept with the target's distribution over the draft vocab.

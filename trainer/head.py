@@ -109,6 +109,17 @@ def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int 
                       rope_parameters=head_rope(tcfg), **options)
 
 
+def normal_init(head: nn.Module, std: float) -> nn.Module:
+    """Every nn.Linear weight of `head` drawn from N(0, std), biases zeroed (Hugging Face's _init_weights
+    with initializer_range = std); norms and buffers untouched."""
+    for mod in head.modules():
+        if isinstance(mod, nn.Linear):
+            nn.init.normal_(mod.weight, 0.0, std)
+            if mod.bias is not None:
+                nn.init.zeros_(mod.bias)
+    return head
+
+
 def build_head(cfg: HeadConfig) -> nn.Module:
     """The draft model of cfg.kind: an Eagle3Head or a DFlashHead (trainer/dflash.py)."""
     if cfg.kind == "dflash":

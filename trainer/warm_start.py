@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from trainer.head import HeadConfig, build_head, head_config_from_target
+from trainer.head import HeadConfig, build_head, head_config_from_target, normal_init
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
     rows (`lm_head_init: target`) or another head's weights (`init_from`, of the same kind); lm_head
     frozen on request."""
     head = build_head(hcfg)
+    if model.init_std is not None:
+        normal_init(head, model.init_std)
     if model.lm_head_init == "target":
         head.lm_head.weight.data.copy_(target_lm_rows(target_lm, d2t, hcfg.hidden_size))
     if model.init_from is not None:
