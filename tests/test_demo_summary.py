@@ -14,7 +14,7 @@ def test_summary_names_every_output_and_each_benchmark(tmp_path):
     write(d / "target/report.json", {"params": 13181184, "steps_run": 220, "val_loss": 1.93, "hit_time_cap": False})
     write(d / "data/summary.json", {"capture": {"rows": 1200, "tokens": 198000, "shards": 6},
                                     "vocab": {"draft_vocab_size": 512}})
-    write(d / "head/report.json", {"steps": 300, "best": {"sim_tau": 2.71, "step": 300}})
+    write(d / "head/report.json", {"steps": 300, "best": {"sim_tau": 2.71, "step": 300, "val_acc": [0.6, 0.5, 0.4]}})
     write(d / "decode.json", {"prompts": [{"prompt": "Sam has 17 marbles.", "eagle3": "Sam has\n 20 marbles."}],
                               "vanilla_tokens_per_s": 50.0, "eagle3_tokens_per_s": 110.0, "speedup": 2.2,
                               "identical": 1})
@@ -26,7 +26,7 @@ def test_summary_names_every_output_and_each_benchmark(tmp_path):
     text = "\n".join(out)
     assert out[1] == "EagleRay demo: done in 10.0 min"
     assert "13.2M-parameter Llama, 220 steps" in text and "1200 conversations, 198000 tokens" in text
-    assert "held-out simulated tau 2.71" in text and "2.20x" in text and "A: Sam has 20 marbles." in text
+    assert "held-out simulated tau 2.71 (chain of 3)" in text and "2.20x" in text and "A: Sam has 20 marbles." in text
     assert any("mt_bench  tau 2.90   speedup 1.80x" in ln for ln in out)
     assert any("gsm8k     tau 3.10   speedup 2.00x" in ln for ln in out)
     assert "A: def f(xs): return sum(xs)" in text and "fluent but often wrong" in text

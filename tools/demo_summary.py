@@ -37,7 +37,8 @@ def lines(demo: Path, seconds: float | None = None) -> list[str]:
            f"  data      {demo}/data/      {cap.get('rows')} conversations, {cap.get('tokens')} tokens of hidden "
            f"states in {cap.get('shards')} zstd Parquet shard(s), draft vocabulary {pipe.get('vocab', {}).get('draft_vocab_size')}",
            f"  head      {demo}/head/      {head_kind(head)}, {head.get('steps')} steps; {exported(head)}; "
-           f"held-out simulated tau {best.get('sim_tau', float('nan')):.2f}"]
+           f"held-out simulated tau {best.get('sim_tau', float('nan')):.2f}"
+           + (f" (chain of {len(best['val_acc'])})" if best.get("val_acc") else "")]
     if ev.get("benchmarks"):
         out += [f"  eval      {demo}/report/    report.md, tau.png, speedup.png"]
         out += [f"            {name:<9} tau {b['tau']:.2f}   speedup {b['speedup']:.2f}x   identical to the target "
