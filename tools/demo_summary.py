@@ -31,14 +31,14 @@ def lines(demo: Path, seconds: float | None = None) -> list[str]:
     ev, srv = read(demo / "report/report.json"), read(demo / "serve.json")
     cap = pipe.get("capture", {})
     best = head.get("best") or {}
+    chain = f" (chain of {len(best['val_acc'])})" if best.get("val_acc") else ""  # the simulation's length
     out = ["", "EagleRay demo" + (f": done in {seconds / 60:.1f} min" if seconds else ""),
            f"  target    {demo}/target/    {tgt.get('params', 0) / 1e6:.1f}M-parameter Llama, {tgt.get('steps_run')} "
            f"steps, held-out loss {tgt.get('val_loss')}",
            f"  data      {demo}/data/      {cap.get('rows')} conversations, {cap.get('tokens')} tokens of hidden "
            f"states in {cap.get('shards')} zstd Parquet shard(s), draft vocabulary {pipe.get('vocab', {}).get('draft_vocab_size')}",
            f"  head      {demo}/head/      {head_kind(head)}, {head.get('steps')} steps; {exported(head)}; "
-           f"held-out simulated tau {best.get('sim_tau', float('nan')):.2f}"
-           + (f" (chain of {len(best['val_acc'])})" if best.get("val_acc") else "")]
+           f"held-out simulated tau {best.get('sim_tau', float('nan')):.2f}{chain}"]
     if ev.get("benchmarks"):
         out += [f"  eval      {demo}/report/    report.md, tau.png, speedup.png"]
         out += [f"            {name:<9} tau {b['tau']:.2f}   speedup {b['speedup']:.2f}x   identical to the target "

@@ -109,7 +109,7 @@ def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int 
                       rope_parameters=head_rope(tcfg), **options)
 
 
-def normal_init(head: nn.Module, std: float) -> nn.Module:
+def normal_init(head: nn.Module, std: float) -> None:
     """Every nn.Linear weight of `head` drawn from N(0, std), biases zeroed (Hugging Face's _init_weights
     with initializer_range = std); norms and buffers untouched."""
     for mod in head.modules():
@@ -117,7 +117,6 @@ def normal_init(head: nn.Module, std: float) -> nn.Module:
             nn.init.normal_(mod.weight, 0.0, std)
             if mod.bias is not None:
                 nn.init.zeros_(mod.bias)
-    return head
 
 
 def build_head(cfg: HeadConfig) -> nn.Module:

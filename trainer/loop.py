@@ -46,7 +46,8 @@ def lr_lambda(total: int, warmup_ratio: float, min_ratio: float, shape: str = "c
         if step < warm:
             return (step + 1) / warm
         prog = min(1.0, (step - warm) / max(1, total - warm))
-        return min_ratio + (1 - min_ratio) * (1 - prog if shape == "linear" else 0.5 * (1 + math.cos(math.pi * prog)))
+        decay = 1 - prog if shape == "linear" else 0.5 * (1 + math.cos(math.pi * prog))
+        return min_ratio + (1 - min_ratio) * decay
     return f
 
 
@@ -106,8 +107,8 @@ class HeadTrainer:
         o = self.cfg.optim
         trainable = [p for p in objective.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        shape = lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio, o.schedule)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, shape)
+        lr_at = lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio, o.schedule)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
         ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": o.grad_accum,
                   "gradient_clipping": o.grad_clip, "steps_per_print": 10 ** 9,
                   "zero_optimization": {"stage": self.cfg.deepspeed.zero_stage},
