@@ -40,6 +40,30 @@ def test_batch_order_pairs_similar_sizes_across_ranks():
     assert plan_batches(pools[0], 2048, 16, random.Random(8), count=count) != plans[0]
 
 
+def test_shuffled_order_keeps_ranks_paired_and_breaks_length_runs():
+    """data.order "shuffled" (segment_order with no runs): every row once, the ranks' batches still paired
+    in size (both ranks draw the same permutation of their cost order), and consecutive batches no longer
+    follow each other in length: with 4 runs neighbours differ by a few tokens, shuffled by a random pair's
+    gap (runs of similar-length steps trained heads worse: docs/MEASUREMENTS.md "the order of the batches")."""
+    import random
+
+    from trainer.batching import min_batches, plan_batches
+
+    gen = random.Random(0)
+    pools = [[gen.randint(20, 500) for _ in range(256)] for _ in range(2)]
+    count = max(min_batches(p, 2048, 4) for p in pools)
+    gaps = {}
+    for segments in (4, None):
+        plans = [plan_batches(p, 2048, 4, random.Random(7), count=count, segments=segments) for p in pools]
+        for lengths, batches in zip(pools, plans):
+            assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        longest = [[max(p[i] for i in b) for b in bs] for p, bs in zip(pools, plans)]
+        paired = sum(abs(x - y) for x, y in zip(*longest)) / count
+        assert paired < 0.05 * sum(longest[0]) / count, (segments, paired)
+        gaps[segments] = sum(abs(x - y) for x, y in zip(longest[0], longest[0][1:])) / (count - 1)
+    assert gaps[4] < 25 and gaps[None] > 100, gaps
+
+
 def test_batch_order_pairs_similar_flops_across_ranks():
     """Where loss tokens vary per row (their vocab-sized work outweighs the layer on a SmolLM2-shaped
     head), ordering by estimated FLOPs pairs the ranks' batches on work better than padded size does."""

@@ -14,6 +14,8 @@ from peers import speculators_prep
 from pipeline.codec import from_bytes
 from pipeline.shards import read_manifest
 from pipeline.vocab import load_draft_vocab
+from pipeline.yaml_config import load_config
+from trainer.config import TrainConfig
 from trainer.data import collate, shard_files, val_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +53,12 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
     assert np.array_equal(np.load(prep / "d2t.npy"), d2t.numpy()) and np.array_equal(np.load(prep / "t2d.npy"), t2d.numpy())
     assert speculators_prep.vllm_layer_ids(prep) == [j + 1 for j in man["aux_layer_ids"]]
     assert speculators_prep.write(capture, tiny_target, tmp_path / "prep", 5) == prep  # reused, not rewritten
+    # --seed reaches both trainers: ours as seed and data.seed, speculators as its --seed
+    import bench_peers
+    args = bench_peers.parse(["--target", str(tiny_target), "--capture", str(capture), "--seed", "3"])
+    args.ours_cfg = load_config(TrainConfig, args.ours_config, [f"target={tiny_target}", f"data.shards={capture}"])
+    for flags in bench_peers.speculators_runs(args, prep, 256).values():
+        assert flags[flags.index("--seed") + 1] == "3" and flags[flags.index("--total-seq-len") + 1] == "256"
 
 
 @pytest.mark.slow

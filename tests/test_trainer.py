@@ -116,8 +116,12 @@ def test_two_workers_trade_rows_and_replay_the_cached_epoch(tmp_path, ray_cluste
 
     over = {"epochs": 2, "max_steps": 1000, "eval_every": 1000, "checkpoint_every": 1000,
             "data.max_tokens_per_batch": 512, "data.rank_speeds": "equal"}  # two runs, the same batches
-    run_training(train_cfg(tmp_path / "cached", pipeline_run, tiny_target, **over))
+    report = run_training(train_cfg(tmp_path / "cached", pipeline_run, tiny_target, **over))
     run_training(train_cfg(tmp_path / "streamed", pipeline_run, tiny_target, **over, **{"data.cache_mb": 0}))
+    # each epoch's training seconds (reading and steps, no evaluation or checkpoint), summed in the report
+    assert len(report["epoch_train_s"]) == 2 and all(s > 0 for s in report["epoch_train_s"]), report
+    assert report["train_loop_s"] == pytest.approx(sum(report["epoch_train_s"]), abs=0.1)
+    assert report["train_loop_s"] < report["wall_s"]
     ids = [i for f in shard_files(pipeline_run / "capture") for i in pq.read_table(f, columns=["id"])["id"].to_pylist()]
     ids = ids[:len(ids) - 8]  # val_rows
     for run in ("cached", "streamed"):

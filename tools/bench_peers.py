@@ -17,9 +17,10 @@ ours packs length-bucketed micro-batches of at most `data.max_tokens_per_batch` 
 `data.max_rows_per_batch` rows on each worker; speculators packs rows into one sequence of `--total-seq-len`
 tokens, set to the real tokens our run put in a step on average, so both take about as many steps.
 `train_s` is the trainer's wall time as a user sees it (start-up and export included), `loop_s` its training
-loop alone as the trainer reports it (ours: report.json; speculators: its epoch progress lines), which
-`tokens_per_s` and `token_ttt_steps_per_s` divide by; `peak_rss_mb` the largest resident memory of its
-process tree, sampled every half second.
+epochs alone, validation and checkpoints left out (ours: report.json's `train_loop_s`, whose first epoch also
+waits for Ray Data's pipeline to start; speculators: its epoch progress lines), which `tokens_per_s` and
+`token_ttt_steps_per_s` divide by; `peak_rss_mb` the largest resident memory of its process tree, sampled
+every half second.
 """
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
     """Our trainer in a process of its own (its own local Ray), the speculators-format export judged."""
     run_dir = out / name
     base = [f"target={args.target}", f"data.shards={args.capture}", f"out_dir={run_dir}", f"epochs={args.epochs}"]
+    if args.seed is not None:  # before the run's own overrides, which may set another
+        base += [f"seed={args.seed}", f"data.seed={args.seed}"]
     kind = load_config(TrainConfig, args.ours_config, base + overrides).model.kind
     fmt = "dflash" if kind == "dflash" else "speculators"  # a DFlash head: vLLM's DFlashDraftModel
     base.append(f'export_formats=["{fmt}"]')
@@ -106,9 +109,12 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
              "tokens_per_step": cfg.data.max_tokens_per_batch *
              cfg.scaling.num_workers * cfg.optim.grad_accum, "head": str(head)}  # padded tokens, at most
     entry["status"] = "ok" if rc == 0 and (head / "config.json").is_file() else f"failed: {last_lines(out / f'{name}.log')}"
-    if (run_dir / "report.json").is_file():  # the training loop alone (evals included), without Ray's start
+    if (run_dir / "report.json").is_file():
         report = json.loads((run_dir / "report.json").read_text())
-        entry["loop_s"], entry["steps"] = report.get("wall_s"), report.get("steps")
+        # loop_s: the epochs' reading and steps, as speculators' epoch bars time them; fit_s: Ray Train's
+        # whole run (worker start, DeepSpeed, evaluations, checkpoints)
+        entry["loop_s"] = report.get("train_loop_s") or report.get("wall_s")
+        entry |= {"fit_s": report.get("wall_s"), "epoch_s": report.get("epoch_train_s"), "steps": report.get("steps")}
     return entry
 
 
@@ -133,6 +139,8 @@ def speculators_runs(args, prep: Path, tokens_per_step: int) -> dict[str, list[s
               "--epochs", str(args.epochs), "--train-data-ratio", f"{speculators_prep.train_ratio(prep):.9f}", "--total-seq-len", str(tokens_per_step),
               "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32",
               "--num-workers", "0", "--logger", "", "--no-resume-from-checkpoint"]
+    if args.seed is not None:
+        common += ["--seed", str(args.seed)]
     aligned = ["--ttt-steps", str(ours.model.ttt_length), "--ttt-step-loss-decay", str(ours.model.decay),
                "--lr", str(ours.optim.lr), "--optimizer", "adamw"]
     return {"speculators": common, "speculators_aligned": common + aligned}
@@ -199,6 +207,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=ROOT / "runs/peers/bench")
     ap.add_argument("--vllm-python", default=sys.executable)
     ap.add_argument("--no-ours-engine", action="store_true", help="judge in vLLM only")
+    ap.add_argument("--seed", type=int, help="every run's seed (ours: seed and data.seed; speculators: --seed); "
+                    "default: each trainer's own (ours 0, speculators 42)")
     ap.add_argument("--no-default", action="store_true",
                     help="skip the run of our default recipe (ablations of --ours runs; only with --peers '')")
     return ap.parse_args(argv)
@@ -251,6 +261,10 @@ def main(argv=None) -> dict:
         ours = entries.get("eagleray", {}).get(key)
         name = "eagleray_vs_best_peer" + ("" if k == 3 else "_k7")
         result[name] = round(ours / max(peer), 4) if peer and ours else None
+    speed = [e["token_ttt_steps_per_s"] for e in entries.values()
+             if not e["kind"].startswith("eagleray") and "token_ttt_steps_per_s" in e]
+    ours_speed = entries.get("eagleray", {}).get("token_ttt_steps_per_s")
+    result["eagleray_vs_fastest_peer_speed"] = round(ours_speed / max(speed), 4) if speed and ours_speed else None
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return result

@@ -79,7 +79,7 @@ def balanced_groups(lengths: list[int], loss_tokens: list[int], count: int, max_
 
 def plan_batches(lengths: list[int], max_tokens: int, max_rows: int, rng: random.Random,
                  loss_tokens: list[int] | None = None, cost: GroupCost | None = None, count: int | None = None,
-                 segments: int = ORDER_SEGMENTS) -> list[list[int]]:
+                 segments: int | None = ORDER_SEGMENTS) -> list[list[int]]:
     """Pure: indices of a pool grouped by length into `count` batches (default: the fewest that fit) of
     balanced `cost` (`balanced_groups`), in a rank-aligned random order. The batches are sorted by cost,
     cut into `segments` runs of equal count, and rng shuffles the runs and flips each one's direction.
@@ -99,10 +99,12 @@ def group_cost(group: list[int], lengths: list[int], loss_tokens: list[int], cos
     return cost(len(group), max(lengths[i] for i in group), sum(loss_tokens[i] for i in group))
 
 
-def segment_order(items: list, rng: random.Random, segments: int = ORDER_SEGMENTS) -> list:
-    """Pure: `items` (sorted by cost) cut into `segments` runs of equal count; rng shuffles the runs and
-    flips each one's direction. The same rng on every rank gives every rank the same order."""
+def segment_order(items: list, rng: random.Random, segments: int | None = ORDER_SEGMENTS) -> list:
+    """Pure: `items` (sorted by cost) cut into `segments` runs of equal count (None: one run per item, a
+    full shuffle); rng shuffles the runs and flips each one's direction. The same rng on every rank gives
+    every rank the same order."""
     n = len(items)
+    segments = segments or max(1, n)
     runs = [items[n * k // segments:n * (k + 1) // segments] for k in range(segments)]
     rng.shuffle(runs)
     out = []
@@ -112,7 +114,7 @@ def segment_order(items: list, rng: random.Random, segments: int = ORDER_SEGMENT
 
 
 def plan_steps(lengths: list[list[int]], loss_tokens: list[list[int]], max_tokens: int, max_rows: int,
-               rng: random.Random, cost: GroupCost = padded_cost, segments: int = ORDER_SEGMENTS,
+               rng: random.Random, cost: GroupCost = padded_cost, segments: int | None = ORDER_SEGMENTS,
                speeds: list[float] | None = None) -> list[list[list[tuple[int, int]]]]:
     """Pure: every rank's pool planned together, so that at each step the ranks finish their batches at
     nearly the same time. The union of the pools (lengths[r], loss_tokens[r]: rank r's rows) is cut by

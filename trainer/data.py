@@ -19,8 +19,8 @@ from pipeline import storage
 from pipeline.codec import from_bytes
 from pipeline.shards import first_mismatch, read_manifest
 from pipeline.target import TargetSpec
-from trainer.batching import (balance_swaps, flops_cost, min_batches, padded_cost, plan_batches, plan_steps,
-                              speed_shares)
+from trainer.batching import (ORDER_SEGMENTS, balance_swaps, flops_cost, min_batches, padded_cost, plan_batches,
+                              plan_steps, speed_shares)
 from trainer.cost import StepFlops
 
 
@@ -119,8 +119,9 @@ class MicroBatches:
 
     def __init__(self, batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
                  epoch: int, flops: StepFlops | None = None, peers=None, balance: str = "steps",
-                 pace: RankPace | None = None, speeds: dict | None = None):
+                 pace: RankPace | None = None, speeds: dict | None = None, order: str = "runs"):
         self.batches, self.pool, self.seed, self.epoch = batches, pool, seed, epoch
+        self.segments = None if order == "shuffled" else ORDER_SEGMENTS  # batching.segment_order
         self.peers = peers or Alone()
         self.max_tokens, self.max_rows = max_tokens, max_rows
         self.cost = flops_cost(flops) if flops else padded_cost
@@ -154,7 +155,7 @@ class MicroBatches:
             rows = self._moved(rows, balance_swaps(self.peers.gather(costs), max(1, len(rows) // 8)))
         lengths, loss = [len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]
         _, count = self.peers.agree(False, min_batches(lengths, self.max_tokens, self.max_rows))
-        plan = plan_batches(lengths, self.max_tokens, self.max_rows, rng, loss, self.cost, count)
+        plan = plan_batches(lengths, self.max_tokens, self.max_rows, rng, loss, self.cost, count, self.segments)
         return [[rows[i] for i in idx] for idx in plan]
 
     def _plan_steps(self, rows: list[dict], rng: random.Random) -> list[list[dict]]:
@@ -166,7 +167,7 @@ class MicroBatches:
         if key not in self.speeds:
             self.speeds[key] = speed_shares([s[2] for s in shapes]) if self.pace else None
         plan = plan_steps([s[0] for s in shapes], [s[1] for s in shapes], self.max_tokens, self.max_rows, rng,
-                          self.cost, speeds=self.speeds[key])
+                          self.cost, self.segments, speeds=self.speeds[key])
         held = iter(self._moved(rows, [[x for batch in batches for x in batch] for batches in plan]))
         return [[next(held) for _ in batch] for batch in plan[self.peers.rank]]
 

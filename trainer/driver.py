@@ -176,7 +176,9 @@ def finish(cfg: TrainConfig, manifest: dict, spec: TargetSpec, wall: float) -> d
     train_recs = [h for h in history if "loss" in h]
     evals = [h for h in history if "sim_tau" in h]
     best = json.loads((out_dir / "best" / "metrics.json").read_text())
+    epoch_s = [h["train_s"] for h in history if "epoch_end" in h and "train_s" in h]
     report = {"wall_s": round(wall, 1), "steps": train_recs[-1]["step"] if train_recs else 0,
+              "epoch_train_s": epoch_s, "train_loop_s": round(sum(epoch_s), 1) if epoch_s else None,
               "first_loss": train_recs[0]["loss"] if train_recs else None,
               "last_loss": train_recs[-1]["loss"] if train_recs else None,
               "last_acc": train_recs[-1]["acc"] if train_recs else None,

@@ -271,6 +271,7 @@ class TrainLoop:
         self.writer = SummaryWriter(str(run_files(cfg).local / "tensorboard")) if self.run.rank == 0 else None
         self.shard = ray.train.get_dataset_shard("train")
         self.window = MetricWindow(self.run.steps)
+        self.epoch_t0, self.aside_s = time.perf_counter(), 0.0
         start = self.state["global_step"]
         self.stop_at = min(self.total, start + (cfg.run_steps or self.total))
 
@@ -302,7 +303,7 @@ class TrainLoop:
                               cfg.data.bucket_pool, cfg.data.seed, st["epoch"],
                               self.run.flops,
                               RankPeers(self.run.rank, self.run.world) if self.run.world > 1 else Alone(),
-                              cfg.data.balance, self.pace, st.setdefault("pool_speeds", {}))
+                              cfg.data.balance, self.pace, st.setdefault("pool_speeds", {}), cfg.data.order)
         if st["batches_in_epoch"]:  # replay the epoch's order up to where we stopped
             replayed = 0
             for _ in range(st["batches_in_epoch"]):
@@ -347,6 +348,7 @@ class TrainLoop:
             run_files(self.cfg).write_text("progress.json", json.dumps(rec | {"total_steps": self.total}))
 
     def evaluate(self, step: int) -> None:
+        t0 = time.perf_counter()
         ev = self.run.evaluate(self.val) | {"step": step}
         self.state["history"].append(ev)
         if self.writer:
@@ -356,6 +358,7 @@ class TrainLoop:
         if ev["sim_tau"] > self.state["best_tau"]:
             self.state["best_tau"] = ev["sim_tau"]
             self.run.save_best(ev)
+        self.aside_s += time.perf_counter() - t0
 
     def after_step(self) -> bool:
         """Log, evaluate, checkpoint as due after an optimizer step; True when the run is done."""
@@ -368,13 +371,16 @@ class TrainLoop:
         if self.val and (step % cfg.eval_every == 0 or step == self.stop_at):
             self.evaluate(step)
         if step % cfg.checkpoint_every == 0 or step == self.stop_at:
+            t0 = time.perf_counter()
             self.checkpoint({"step": step, "best_tau": st["best_tau"]})
+            self.aside_s += time.perf_counter() - t0
         return step >= self.stop_at
 
     def run_epoch(self) -> bool:
         """One epoch (or its rest after a resume); True when the run is done. Every rank takes the same
         number of steps: the epoch stops when any rank runs dry (MicroBatches)."""
         self.seen = RowTally()
+        self.epoch_t0, self.aside_s = time.perf_counter(), 0.0
         stream = self.micro_batches()
         while True:
             rows = stream.next_batch()
@@ -389,10 +395,14 @@ class TrainLoop:
                 return True
 
     def end_epoch(self) -> None:
-        """The epoch's row tally and the rank speeds its pools were planned with (None: equal work)."""
+        """The epoch's row tally, the rank speeds its pools were planned with (None: equal work) and its
+        training seconds: reading and steps, without its evaluations and checkpoints (what a peer's epoch
+        progress bar times; the first epoch also waits for the data pipeline to start)."""
         st = self.state
         speeds = [st["pool_speeds"][k] for k in sorted(st["pool_speeds"], key=int)]
-        st["history"].append({"epoch_end": st["epoch"], **self.seen.total(self.run), "pool_speeds": speeds})
+        train_s = round(time.perf_counter() - self.epoch_t0 - self.aside_s, 2)
+        st["history"].append({"epoch_end": st["epoch"], **self.seen.total(self.run), "pool_speeds": speeds,
+                              "train_s": train_s})
 
     def __call__(self) -> None:
         st = self.state
