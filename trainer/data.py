@@ -2,8 +2,9 @@
 
 Each worker streams its split of the rows, gathers a pool of `bucket_pool` rows, sorts the pool by
 length into as many cost-balanced micro-batches as every rank agrees on (`MicroBatches`), and orders
-those batches with a seed derived from (seed, epoch, pool), the same on every rank (`plan_batches`):
-the order is a pure function of the stream, so a resumed run replays it exactly.
+those batches with a seed derived from (seed, epoch, pool), the same on every rank (`plan_batches`;
+`data.order`: shuffled, or in cost-sorted runs): the order is a pure function of the stream, so a resumed
+run replays it exactly.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from pipeline import storage
@@ -55,11 +55,6 @@ def val_rows(files: list[str], n: int) -> pa.Table:
         tables.insert(0, t.slice(max(0, t.num_rows - n)))
         n -= t.num_rows
     return pa.concat_tables(tables) if tables else storage.read_table(files[0]).slice(0, 0)
-
-
-def drop_ids(batch: pa.Table, ids: list[str]) -> pa.Table:
-    """Ray Data UDF: remove held-out rows from the training stream."""
-    return batch.filter(pc.invert(pc.is_in(batch["id"], value_set=pa.array(ids, pa.string()))))
 
 
 def rows_of(batch: dict) -> list[dict]:
@@ -119,7 +114,7 @@ class MicroBatches:
 
     def __init__(self, batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
                  epoch: int, flops: StepFlops | None = None, peers=None, balance: str = "steps",
-                 pace: RankPace | None = None, speeds: dict | None = None, order: str = "runs"):
+                 pace: RankPace | None = None, speeds: dict | None = None, order: str = "shuffled"):
         self.batches, self.pool, self.seed, self.epoch = batches, pool, seed, epoch
         self.segments = None if order == "shuffled" else ORDER_SEGMENTS  # batching.segment_order
         self.peers = peers or Alone()

@@ -19,10 +19,10 @@ from typing import Callable
 import pyarrow as pa
 
 from pipeline import storage
-from pipeline.shards import read_manifest, shard_name, shard_ranges
+from pipeline.shards import drop_ids, read_manifest, shard_name, shard_ranges
 from pipeline.vocab import VOCAB_FILE
 from trainer.config import TrainConfig
-from trainer.data import drop_ids, shard_files, val_rows
+from trainer.data import shard_files, val_rows
 
 
 @dataclass
