@@ -11,7 +11,7 @@ from pipeline.capture import run_capture
 from pipeline.codec import from_bytes
 from pipeline.target import default_aux_layers, resolve_aux_layers
 from pipeline.config import Capture
-from pipeline.shards import read_manifest, shard_ranges
+from pipeline.shards import drop_ids, read_manifest, shard_ranges
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -46,6 +46,22 @@ def test_shard_ranges_and_micro_batches():
     groups = length_buckets([5, 40, 10, 40, 7], 80, longest_first=True)
     assert groups == [[1, 3], [2, 4, 0]]
     assert sorted(i for g in groups for i in g) == list(range(5))
+
+
+def test_drop_ids_filters_held_out_rows_in_a_light_process():
+    """The trainer's held-out filter runs in Ray Data's task processes: it keeps every other row in order, and
+    importing its module (what each such process does) does not import torch."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    t = pa.table({"id": ["a", "b", "c", "d"], "n": [1, 2, 3, 4]})
+    assert drop_ids(t, ["b", "d"]).to_pydict() == {"id": ["a", "c"], "n": [1, 3]}
+    assert drop_ids(t, []).num_rows == 4
+    probe = "import sys, pipeline.shards; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
