@@ -10,7 +10,7 @@ import pytest
 from conftest import pipeline_tree, write_yaml
 from pipeline.yaml_config import load_config
 from trainer.config import TrainConfig
-from trainer.loop import id_hash
+from trainer.data import id_hash
 
 pytestmark = pytest.mark.slow
 

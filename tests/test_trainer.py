@@ -112,7 +112,7 @@ def test_two_workers_trade_rows_and_replay_the_cached_epoch(tmp_path, ray_cluste
 
     from trainer.data import shard_files
     from trainer.driver import run_training
-    from trainer.loop import id_hash
+    from trainer.data import id_hash
 
     over = {"epochs": 2, "max_steps": 1000, "eval_every": 1000, "checkpoint_every": 1000,
             "data.max_tokens_per_batch": 512, "data.rank_speeds": "equal"}  # two runs, the same batches

@@ -74,6 +74,55 @@ class Alone:
         return [obj]
 
 
+class RowTally:
+    """Rows an epoch consumed and an order-free sum of their id hashes: summed over ranks, it shows every
+    row was seen exactly once (a lost or doubled row changes the count or the sum)."""
+
+    def __init__(self):
+        self.rows, self.hash = 0, 0
+
+    def add(self, rows: list[dict]) -> None:
+        self.rows += len(rows)
+        self.hash += sum(id_hash(r["id"]) for r in rows)
+
+    def total(self, world: int) -> dict:
+        import torch.distributed as dist
+
+        t = torch.tensor([self.rows, self.hash], dtype=torch.int64)
+        if world > 1:
+            dist.all_reduce(t)
+        return {"rows": int(t[0]), "ids_hash": int(t[1])}
+
+
+class RankPeers:
+    """The ranks of the process group as MicroBatches' peers (the trainer's workers)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def agree(self, dry: bool, need: int) -> tuple[bool, int]:
+        """Any rank dry, the largest `need`: one all-reduce MAX."""
+        import torch.distributed as dist
+
+        t = torch.tensor([int(dry), need], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0]), int(t[1])
+
+    def gather(self, obj) -> list:
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def id_hash(row_id) -> int:
+    """40 bits of the id's SHA-1: sums of a million rows stay far inside int64."""
+    import hashlib
+
+    return int(hashlib.sha1(str(row_id).encode()).hexdigest()[:10], 16)
+
+
 class RankPace:
     """This rank's measured speed: the planner's estimated work of the batches it trained over the seconds
     their forwards took (a forward holds no collective, so no wait on another rank is counted). Kept for

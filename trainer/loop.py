@@ -18,7 +18,7 @@ import torch
 from pipeline.storage import Mirror
 from trainer.config import TrainConfig
 from trainer.cost import step_flops
-from trainer.data import Alone, EpochCache, MicroBatches, RankPace, batch_cost, collate
+from trainer.data import Alone, EpochCache, MicroBatches, RankPace, RankPeers, RowTally, batch_cost, collate
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec, cpu_has_native_bf16
 from trainer.dflash_objective import DFlashObjective
@@ -190,55 +190,6 @@ class MetricWindow:
         return rec
 
 
-class RowTally:
-    """Rows an epoch consumed and an order-free sum of their id hashes: summed over ranks, it shows every
-    row was seen exactly once (a lost or doubled row changes the count or the sum)."""
-
-    def __init__(self):
-        self.rows, self.hash = 0, 0
-
-    def add(self, rows: list[dict]) -> None:
-        self.rows += len(rows)
-        self.hash += sum(id_hash(r["id"]) for r in rows)
-
-    def total(self, run: "HeadTrainer") -> dict:
-        import torch.distributed as dist
-
-        t = torch.tensor([self.rows, self.hash], dtype=torch.int64)
-        if run.world > 1:
-            dist.all_reduce(t)
-        return {"rows": int(t[0]), "ids_hash": int(t[1])}
-
-
-class RankPeers:
-    """The ranks of the process group as MicroBatches' peers (trainer/data.py)."""
-
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-
-    def agree(self, dry: bool, need: int) -> tuple[bool, int]:
-        """Any rank dry, the largest `need`: one all-reduce MAX."""
-        import torch.distributed as dist
-
-        t = torch.tensor([int(dry), need], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t[0]), int(t[1])
-
-    def gather(self, obj) -> list:
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-
-def id_hash(row_id) -> int:
-    """40 bits of the id's SHA-1: sums of a million rows stay far inside int64."""
-    import hashlib
-
-    return int(hashlib.sha1(str(row_id).encode()).hexdigest()[:10], 16)
-
-
 class TrainLoop:
     """One worker's run: state restored from the latest checkpoint, epochs replayed in the same order up to
     where it stopped, then step / log / evaluate / checkpoint (torchtitan's shape, on Ray Train)."""
@@ -271,7 +222,6 @@ class TrainLoop:
         self.writer = SummaryWriter(str(run_files(cfg).local / "tensorboard")) if self.run.rank == 0 else None
         self.shard = ray.train.get_dataset_shard("train")
         self.window = MetricWindow(self.run.steps)
-        self.epoch_t0, self.aside_s = time.perf_counter(), 0.0
         start = self.state["global_step"]
         self.stop_at = min(self.total, start + (cfg.run_steps or self.total))
 
@@ -348,7 +298,6 @@ class TrainLoop:
             run_files(self.cfg).write_text("progress.json", json.dumps(rec | {"total_steps": self.total}))
 
     def evaluate(self, step: int) -> None:
-        t0 = time.perf_counter()
         ev = self.run.evaluate(self.val) | {"step": step}
         self.state["history"].append(ev)
         if self.writer:
@@ -358,7 +307,6 @@ class TrainLoop:
         if ev["sim_tau"] > self.state["best_tau"]:
             self.state["best_tau"] = ev["sim_tau"]
             self.run.save_best(ev)
-        self.aside_s += time.perf_counter() - t0
 
     def after_step(self) -> bool:
         """Log, evaluate, checkpoint as due after an optimizer step; True when the run is done."""
@@ -368,12 +316,12 @@ class TrainLoop:
         step = st["global_step"]
         if step % cfg.log_every == 0 or step == self.total:
             self.log(step)
+        t0 = time.perf_counter()  # evaluations and checkpoints are left out of the epoch's training seconds
         if self.val and (step % cfg.eval_every == 0 or step == self.stop_at):
             self.evaluate(step)
         if step % cfg.checkpoint_every == 0 or step == self.stop_at:
-            t0 = time.perf_counter()
             self.checkpoint({"step": step, "best_tau": st["best_tau"]})
-            self.aside_s += time.perf_counter() - t0
+        self.aside_s += time.perf_counter() - t0
         return step >= self.stop_at
 
     def run_epoch(self) -> bool:
@@ -401,7 +349,7 @@ class TrainLoop:
         st = self.state
         speeds = [st["pool_speeds"][k] for k in sorted(st["pool_speeds"], key=int)]
         train_s = round(time.perf_counter() - self.epoch_t0 - self.aside_s, 2)
-        st["history"].append({"epoch_end": st["epoch"], **self.seen.total(self.run), "pool_speeds": speeds,
+        st["history"].append({"epoch_end": st["epoch"], **self.seen.total(self.run.world), "pool_speeds": speeds,
                               "train_s": train_s})
 
     def __call__(self) -> None:
