@@ -31,6 +31,10 @@ class Data(StrictModel):
     # same batches (on 2 equal cores measured plans gained nothing: docs/MEASUREMENTS.md, "Training
     # throughput").
     rank_speeds: Literal["measured", "equal"] = "equal"
+    # The positions a training step supervises with the target's distribution: "assistant" (the answers'
+    # loss mask, what decoding drafts) or "all" (every real token, prompts and template too: more signal
+    # from the same rows; held-out evaluation always scores the answers).
+    loss_on: Literal["assistant", "all"] = "assistant"
     val_rows: int = Field(32, ge=0)           # held out (the last rows of the run) for eval metrics
     stream_buffer_mb: int | None = Field(None, gt=0)  # stream / hybrid: object-store budget of the data in
     #                                                   flight; capture waits for the trainer past it

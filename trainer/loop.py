@@ -117,8 +117,11 @@ class HeadTrainer:
                                                config=ds_cfg)
         return engine
 
-    def forward(self, rows: list[dict]) -> tuple[dict, int]:
+    def forward(self, rows: list[dict], loss_on: str = "assistant") -> tuple[dict, int]:
         b = collate(rows, self.storage_dtype, self.spec.hidden_size)
+        if loss_on == "all":  # every real token: a row's padding starts at its length
+            lengths = torch.tensor([len(r["input_ids"]) for r in rows])
+            b["loss_mask"] = (torch.arange(b["input_ids"].shape[1])[None] < lengths[:, None]).long()
         ids, mask = b["input_ids"].to(self.device), b["loss_mask"].to(self.device)
         with torch.no_grad():
             emb = self.target.embed(ids)
@@ -269,7 +272,7 @@ class TrainLoop:
     def train_micro_batch(self, rows: list[dict], stream: MicroBatches) -> None:
         run, st = self.run, self.state
         t0 = time.perf_counter()
-        out, ntok = run.forward(rows)
+        out, ntok = run.forward(rows, self.cfg.data.loss_on)
         if self.pace:
             self.pace.add(batch_cost(stream, rows), time.perf_counter() - t0)
         run.engine.backward(out["loss"])
