@@ -1,6 +1,6 @@
 """Micro-batch planning (trainer/batching.py, pure) and MicroBatches' ranks, without Ray: rank-aligned
 batch order, cost-balanced pools, rows traded or planned together across ranks, plans weighted by
-measured rank speed (docs/ARCHITECTURE.md §10)."""
+measured rank speed (docs/ARCHITECTURE.md §10); the loss mask collate builds."""
 import pytest
 
 from trainer.cost import StepFlops, step_flops
@@ -285,3 +285,21 @@ def test_measured_speeds_are_recorded_and_replayed():
     again = run([1.0, 1.1], dict(speeds))
     assert [[[row["id"] for row in b] for b in rank] for rank in again] == \
         [[[row["id"] for row in b] for b in rank] for rank in first]
+
+
+def test_collate_supervises_the_answers_or_every_real_token():
+    """loss_on "assistant" keeps each row's own mask; "all" marks every real token and never the padding."""
+    import torch
+
+    from pipeline.codec import to_bytes
+    from trainer.data import collate
+
+    h = 4
+    rows = [{"input_ids": list(range(n)), "loss_mask": mask,
+             "aux_hidden": to_bytes(torch.randn(n, 3 * h), "bf16", groups=3),
+             "last_hidden": to_bytes(torch.randn(n, h), "bf16")}
+            for n, mask in ((5, [0, 0, 1, 1, 0]), (3, [0, 1, 1]))]
+    own = collate(rows, "bf16", h)["loss_mask"]
+    every = collate(rows, "bf16", h, loss_on="all")["loss_mask"]
+    assert own.tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 0, 0]]
+    assert every.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]

@@ -272,8 +272,10 @@ def batch_bytes(batch: dict) -> int:
         np.asarray(x).nbytes for k in ("input_ids", "loss_mask") for x in batch[k])
 
 
-def collate(rows: list[dict], dtype: str, target_hidden: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors: input_ids, loss_mask [B,T]; aux [B,T,3Ht]; last [B,T,H] (storage dtype)."""
+def collate(rows: list[dict], dtype: str, target_hidden: int, loss_on: str = "assistant"
+            ) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: input_ids, loss_mask [B,T]; aux [B,T,3Ht]; last [B,T,H] (storage dtype).
+    loss_on "all": loss_mask is 1 on every real token of a row (0 on padding), not the row's own mask."""
     t = max(len(r["input_ids"]) for r in rows)
     b = len(rows)
     ids = torch.zeros((b, t), dtype=torch.long)
@@ -284,7 +286,7 @@ def collate(rows: list[dict], dtype: str, target_hidden: int) -> dict[str, torch
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.from_numpy(np.asarray(r["input_ids"], dtype=np.int64))
-        mask[i, :n] = torch.from_numpy(np.asarray(r["loss_mask"], dtype=np.int64))
+        mask[i, :n] = 1 if loss_on == "all" else torch.from_numpy(np.asarray(r["loss_mask"], dtype=np.int64))
         aux[i, :n] = from_bytes(r["aux_hidden"], dtype, 3 * target_hidden, groups=3)
         last[i, :n] = from_bytes(r["last_hidden"], dtype, target_hidden)
     return {"input_ids": ids, "loss_mask": mask, "aux": aux, "last": last}

@@ -118,10 +118,7 @@ class HeadTrainer:
         return engine
 
     def forward(self, rows: list[dict], loss_on: str = "assistant") -> tuple[dict, int]:
-        b = collate(rows, self.storage_dtype, self.spec.hidden_size)
-        if loss_on == "all":  # every real token: a row's padding starts at its length
-            lengths = torch.tensor([len(r["input_ids"]) for r in rows])
-            b["loss_mask"] = (torch.arange(b["input_ids"].shape[1])[None] < lengths[:, None]).long()
+        b = collate(rows, self.storage_dtype, self.spec.hidden_size, loss_on)
         ids, mask = b["input_ids"].to(self.device), b["loss_mask"].to(self.device)
         with torch.no_grad():
             emb = self.target.embed(ids)
