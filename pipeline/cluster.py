@@ -100,7 +100,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
 
 
 def quiet_ray_data() -> None:
-    """Deterministic block order and no per-operator progress spam in logs."""
+    """Deterministic block order and no per-operator progress or memory-advice spam in logs."""
     import logging
 
     import ray
@@ -111,6 +111,10 @@ def quiet_ray_data() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
+    # Its high-memory detector repeats a 12-line advice every 30 s for each actor stage that holds more than
+    # it requested (a vLLM regenerator: ~4 GiB): our stages size their memory by config
+    # (regenerate.vllm.kv_cache_gb, capture.batch_tokens), so the advice is noise in the stage's output.
+    ctx.issue_detectors_config.high_memory_detector_config.detection_time_interval_s = -1
 
 
 def map_with_actors(ds, cls, **kwargs):
