@@ -117,10 +117,12 @@ $(REAL)/vllm_check.json: $(REAL)/serve.txt
 	$(PY) tools/check_vllm.py --target $(REAL)/target --head-dir $(REAL)/head --n 20 --k 3 > $@.tmp && mv $@.tmp $@ && tail -1 $@
 
 # The peers' trainers, each in an environment of its own under .peers/ (never in .venv): speculators 0.9.0
-# on the same torch CPU build. pip also pulls torchvision/torchaudio builds for another torch, which break
-# `import transformers` there as here: removed. Used by tools/bench_peers.py (docs/MEASUREMENTS.md).
+# and SpecForge 0.2.0 on the same torch CPU build. pip also pulls torchvision/torchaudio builds for another
+# torch, which break `import transformers` there as here: removed. SpecForge pins torch 2.11 and SGLang,
+# which its offline training never imports: its wheel without dependencies, then what training reads.
+# Used by tools/bench_peers.py (docs/MEASUREMENTS.md).
 PEERS := .peers
-peers: $(PEERS)/speculators/.installed
+peers: $(PEERS)/speculators/.installed $(PEERS)/specforge/.installed
 
 $(PEERS)/speculators/.installed:
 	@test -x $(PEERS)/speculators/bin/python || $(PYTHON) -m venv $(PEERS)/speculators
@@ -130,6 +132,18 @@ $(PEERS)/speculators/.installed:
 		"hs-connectors==0.9.0" "datasets<=5.1.0" -c $(PEERS)/constraints.txt 2>&1 | grep -v "is ignored" || true
 	@$(PEERS)/speculators/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PEERS)/speculators/bin/python -c "import torch, speculators.train.cli; assert torch.__version__.startswith('2.13.0')"
+	@touch $@
+
+$(PEERS)/specforge/.installed:
+	@test -x $(PEERS)/specforge/bin/python || $(PYTHON) -m venv $(PEERS)/specforge
+	@mkdir -p $(PEERS) && echo "torch==2.13.0+cpu" > $(PEERS)/constraints.txt
+	@$(PEERS)/specforge/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	@$(PEERS)/specforge/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "specforge==0.2.0" 2>&1 | grep -v "is ignored" || true
+	@$(PEERS)/specforge/bin/python -m pip install --quiet --disable-pip-version-check "transformers==5.8.1" datasets tqdm \
+		accelerate huggingface-hub numpy pydantic psutil pyyaml safetensors requests tensorboard typing-extensions \
+		-c $(PEERS)/constraints.txt 2>&1 | grep -v "is ignored" || true
+	@$(PEERS)/specforge/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(PEERS)/specforge/bin/python -c "import torch, specforge.cli; assert torch.__version__.startswith('2.13.0')"
 	@touch $@
 
 # Three Ray nodes on this machine (`ray start` each) beside a local S3 server (moto): every stage by `ray job

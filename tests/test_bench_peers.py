@@ -1,5 +1,5 @@
 """tools/bench_peers.py's data path: our shards in speculators' offline layout, and (where `make peers` built
-its environment) speculators' own trainer on them, its head read by our engine."""
+their environments) speculators' and SpecForge's own trainers on them, their heads read by our engine."""
 import json
 import os
 import subprocess
@@ -20,6 +20,7 @@ from trainer.data import collate, shard_files, val_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / ".peers" / "speculators" / "bin" / "python"
+SPECFORGE_PYTHON = ROOT / ".peers" / "specforge" / "bin" / "python"
 
 
 def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
@@ -59,6 +60,15 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
     args.ours_cfg = load_config(TrainConfig, args.ours_config, [f"target={tiny_target}", f"data.shards={capture}"])
     for flags in bench_peers.speculators_runs(args, prep, 256).values():
         assert flags[flags.index("--seed") + 1] == "3" and flags[flags.index("--total-seq-len") + 1] == "256"
+    # SpecForge: a row a step, accumulated to our rows per step; aligned to our TTT, decay and lr
+    from peers import specforge_bench
+    per_row = specforge_bench.rows_per_step({"steps": 10}, prep, 2)
+    assert per_row == round((man["rows"] - 5) * 2 / 10)
+    runs = specforge_bench.runs(args.ours_cfg, per_row, 2, 3)
+    m, o = args.ours_cfg.model, args.ours_cfg.optim
+    assert runs["specforge_aligned"] == runs["specforge"] + [
+        f"training.ttt_length={m.ttt_length}", f"training.kl_decay={m.decay}", f"training.learning_rate={o.lr}"]
+    assert f"training.accumulation_steps={per_row}" in runs["specforge"] and "training.seed=3" in runs["specforge"]
 
 
 @pytest.mark.slow
@@ -86,6 +96,36 @@ def test_speculators_trains_on_our_shards_and_we_decode_its_head(tmp_path, pipel
     _, cfg, aux = import_head(head, 8)
     assert cfg.norm_before_fc and cfg.norm_before_residual and cfg.norm_output  # its defaults, read as vLLM reads them
     assert aux == read_manifest(capture)["aux_layer_ids"]
+    gen = EagleGenerator.from_folders(tiny_target, head)
+    gen.eos = set()
+    ids = gen.tokenizer("hello there, how are you", add_special_tokens=False)["input_ids"]
+    plain = EagleGenerator.from_folders(tiny_target, None)
+    want = plain.generate(ids, SpecSettings(mode="vanilla", max_new_tokens=24)).tokens
+    assert gen.generate(ids, SpecSettings(mode="chain", depth=3, max_new_tokens=24)).tokens[:len(want)] == want
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SPECFORGE_PYTHON.is_file() and os.environ.get("EAGLERAY_REQUIRE_PEERS") != "1",
+                    reason="SpecForge's environment is not built (`make peers`)")
+def test_specforge_trains_on_our_shards_and_we_decode_its_head(tmp_path, pipeline_run, tiny_target):
+    """SpecForge's real trainer (0.2.0, on CPU) on our shards for one epoch, exported by its own SGLang
+    export; the head names our aux layers as vLLM reads them, imports into our engine, decodes losslessly."""
+    from infer.generate import EagleGenerator, SpecSettings
+    from trainer.export import import_head
+
+    capture = pipeline_run / "capture"
+    prep = speculators_prep.write(capture, tiny_target, tmp_path / "prep", 4)
+    save = tmp_path / "sf"
+    cmd = [str(SPECFORGE_PYTHON), str(ROOT / "tools/peers/specforge_train.py"), str(prep), str(save),
+           str(tiny_target), "training.num_epochs=1", "training.ttt_length=3", "training.learning_rate=3e-3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    head = save / "head"
+    assert json.loads((head / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == \
+        speculators_prep.vllm_layer_ids(prep)
+    _, cfg, aux = import_head(head, 8)
+    assert aux == read_manifest(capture)["aux_layer_ids"] and not cfg.norm_before_fc
+    assert not (tiny_target / "model.safetensors.index.json").exists()  # the target folder left as it was
     gen = EagleGenerator.from_folders(tiny_target, head)
     gen.eos = set()
     ids = gen.tokenizer("hello there, how are you", add_special_tokens=False)["input_ids"]

@@ -15,10 +15,12 @@ rest are still judged. The last line printed is one JSON object (docs/MEASUREMEN
 Budgets: every run sees the same rows for the same epochs. Tokens per optimizer step are stated per run:
 ours packs length-bucketed micro-batches of at most `data.max_tokens_per_batch` padded tokens and
 `data.max_rows_per_batch` rows on each worker; speculators packs rows into one sequence of `--total-seq-len`
-tokens, set to the real tokens our run put in a step on average, so both take about as many steps.
+tokens, set to the real tokens our run put in a step on average, so both take about as many steps; SpecForge
+trains a row a step and accumulates our rows per step (tools/peers/specforge_bench.py).
 `train_s` is the trainer's wall time as a user sees it (start-up and export included), `loop_s` its training
 epochs alone, validation and checkpoints left out (ours: report.json's `train_loop_s`, whose first epoch also
-waits for Ray Data's pipeline to start; speculators: its epoch progress lines), which `tokens_per_s` and
+waits for Ray Data's pipeline to start; speculators: its epoch progress lines; SpecForge: its training
+call, model set-up included), which `tokens_per_s` and
 `token_ttt_steps_per_s` divide by; `peak_rss_mb` the largest resident memory of its process tree, sampled
 every half second.
 """
@@ -37,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from infer.benchmarks import chat_ids, default_prompts, prompt_file  # noqa: E402
-from peers import speculators_prep  # noqa: E402
+from peers import specforge_bench, speculators_prep  # noqa: E402
 from pipeline.yaml_config import load_config  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 
@@ -193,7 +195,7 @@ def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--capture", type=Path, required=True, help="a capture folder: shards, manifest, draft vocab")
-    ap.add_argument("--peers", default="speculators", help="comma-separated: speculators ('' for ours only)")
+    ap.add_argument("--peers", default="speculators", help="comma-separated: speculators, specforge ('' for ours only)")
     ap.add_argument("--peer-runs", choices=["both", "defaults", "aligned"], default="both",
                     help="each peer with its own defaults, aligned to ours, or both (the default)")
     ap.add_argument("--ours-config", type=Path, default=ROOT / "configs/trainer/demo.yaml")
@@ -233,13 +235,19 @@ def main(argv=None) -> dict:
         name, _, kv = spec.partition(":")
         entries[name] = train_ours(name, args, split_overrides(kv), args.out)
     peers = [p for p in args.peers.split(",") if p]
-    if "speculators" in peers:
+    if {"speculators", "specforge"} & set(peers):  # one neutral copy of the rows, read by both peers
         prep = speculators_prep.write(args.capture, args.target, args.out / "speculators_data", ours_cfg.data.val_rows)
+    if "speculators" in peers:
         per_step = tokens_per_step(entries["eagleray"], args.capture, ours_cfg.data.val_rows, args.epochs)
         for name, flags in speculators_runs(args, prep, per_step).items():
             if args.peer_runs == "both" or name.endswith("_aligned") == (args.peer_runs == "aligned"):
                 entries[name] = train_speculators(name, flags, prep, args.out)
-    unknown = [p for p in peers if p != "speculators"]
+    if "specforge" in peers:
+        per_row = specforge_bench.rows_per_step(entries["eagleray"], prep, args.epochs)
+        for name, overrides in specforge_bench.runs(ours_cfg, per_row, args.epochs, args.seed).items():
+            if args.peer_runs == "both" or name.endswith("_aligned") == (args.peer_runs == "aligned"):
+                entries[name] = specforge_bench.train(name, overrides, prep, args.target, args.out, peak_rss_run)
+    unknown = [p for p in peers if p not in ("speculators", "specforge")]
     for p in unknown:
         entries[p] = {"kind": p, "status": "failed: not supported by this tool yet", "head": None}
 
