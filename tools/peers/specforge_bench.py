@@ -34,7 +34,8 @@ def train(name: str, overrides: list[str], prep: Path, target: Path, out: Path, 
     """One SpecForge run through `run(cmd, log) -> (rc, seconds, peak_rss_mb)` -> a bench entry."""
     save = out / name
     ttt = next((int(o.split("=")[1]) for o in overrides if o.startswith("training.ttt_length=")), 7)
-    entry = {"kind": "specforge", "overrides": overrides, "head": None, "ttt_steps": ttt}
+    rows = next((int(o.split("=")[1]) for o in overrides if o.startswith("training.accumulation_steps=")), 1)
+    entry = {"kind": "specforge", "overrides": overrides, "head": None, "ttt_steps": ttt, "rows_per_step": rows}
     if not PYTHON.is_file():
         return entry | {"status": "failed: no .peers/specforge (run `make peers`)"}
     cmd = [str(PYTHON), str(ROOT / "tools/peers/specforge_train.py"), str(prep), str(save), str(target), *overrides]
