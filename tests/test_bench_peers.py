@@ -60,6 +60,11 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
     args.ours_cfg = load_config(TrainConfig, args.ours_config, [f"target={tiny_target}", f"data.shards={capture}"])
     for flags in bench_peers.speculators_runs(args, prep, 256).values():
         assert flags[flags.index("--seed") + 1] == "3" and flags[flags.index("--total-seq-len") + 1] == "256"
+    # --prompts held-out: each held-out row's ids up to its first loss token (the prompt the target saw)
+    held_rows = list(speculators_prep.training_rows(capture, 5, held_out=True))
+    firsts = [r["loss_mask"].index(1) for r in held_rows]
+    assert bench_peers.held_out_prompts(capture, 5) == [r["input_ids"][:f] for r, f in zip(held_rows, firsts)]
+    assert all(f > 0 for f in firsts)
     # SpecForge: a row a step, accumulated to our rows per step; aligned to our TTT, decay and lr
     from peers import specforge_bench
     per_row = specforge_bench.rows_per_step({"steps": 10}, prep, 2)

@@ -191,6 +191,20 @@ def judge(args, heads: dict[str, Path], prompts: list[list[int]], out: Path) -> 
     return res
 
 
+HELD_OUT = "held-out"
+
+
+def held_out_prompts(capture: Path, n_val: int) -> list[list[int]]:
+    """The prompts of our held-out rows, as the target saw them: each row's ids up to its first loss token
+    (the first turn and the assistant's header), for judging heads on text like their training data."""
+    prompts = []
+    for row in speculators_prep.training_rows(capture, n_val, held_out=True):
+        first = next((i for i, m in enumerate(row["loss_mask"]) if m), None)
+        if first:
+            prompts.append(list(row["input_ids"][:first]))
+    return prompts
+
+
 def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, required=True)
@@ -201,7 +215,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--ours-config", type=Path, default=ROOT / "configs/trainer/demo.yaml")
     ap.add_argument("--ours", action="append", default=[], metavar="NAME:key=value,...",
                     help="another run of our trainer with these overrides (repeatable)")
-    ap.add_argument("--prompts", type=Path, help="MT-Bench-style or {\"prompt\"} JSONL; default: data/ benchmarks")
+    ap.add_argument("--prompts", type=Path, help="MT-Bench-style or {\"prompt\"} JSONL, or 'held-out': the prompts "
+                    "of our trainer's held-out rows of the capture; default: data/ benchmarks")
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out (counted)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -220,14 +235,16 @@ def main(argv=None) -> dict:
     args = parse(argv)
     args.target, args.capture = args.target.resolve(), args.capture.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.target)
-    texts = prompt_file(args.prompts) if args.prompts else default_prompts(None, 4 * args.n)
-    all_prompts = [chat_ids(tok, t) for t in texts]
-    prompts = [p for p in all_prompts if len(p) <= args.max_prompt_tokens][: args.n]
-
     ours_cfg = args.ours_cfg = load_config(TrainConfig, args.ours_config,
                                            [f"target={args.target}", f"data.shards={args.capture}"])
+    if str(args.prompts) == HELD_OUT:
+        all_prompts = held_out_prompts(args.capture, ours_cfg.data.val_rows)
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(args.target)
+        texts = prompt_file(args.prompts) if args.prompts else default_prompts(None, 4 * args.n)
+        all_prompts = [chat_ids(tok, t) for t in texts]
+    prompts = [p for p in all_prompts if len(p) <= args.max_prompt_tokens][: args.n]
     if args.no_default and args.peers:
         raise SystemExit("--no-default: only with --peers '' (the peers' budgets follow our default run)")
     entries: dict[str, dict] = {} if args.no_default else {"eagleray": train_ours("eagleray", args, [], args.out)}
