@@ -111,6 +111,11 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
              "tokens_per_step": cfg.data.max_tokens_per_batch *
              cfg.scaling.num_workers * cfg.optim.grad_accum, "head": str(head)}  # padded tokens, at most
     entry["status"] = "ok" if rc == 0 and (head / "config.json").is_file() else f"failed: {last_lines(out / f'{name}.log')}"
+    if kind == "dflash" and entry["status"] == "ok":  # what speculators' DFlash aligns to
+        m = cfg.model
+        entry["dflash"] = {"block_size": m.block_size, "num_layers": m.layers, "decay_gamma": m.decay_gamma,
+                           "lr": cfg.optim.lr, "mask_token_id": json.loads(
+                               (head / "config.json").read_text())["dflash_config"]["mask_token_id"]}
     if (run_dir / "report.json").is_file():
         report = json.loads((run_dir / "report.json").read_text())
         # loop_s: the epochs' reading and steps, as speculators' epoch bars time them; fit_s: Ray Train's
@@ -148,6 +153,18 @@ def speculators_runs(args, prep: Path, tokens_per_step: int) -> dict[str, list[s
     return {"speculators": common, "speculators_aligned": common + aligned}
 
 
+def speculators_dflash_flags(eagle_flags: list[str], dflash: dict, tokens_per_step: int) -> list[str]:
+    """speculators' DFlash (`--speculator-type dflash`) aligned to one of our DFlash runs: its block size,
+    layers, slot decay, mask token and learning rate, on the same rows, vocabulary and epochs as its EAGLE-3
+    runs (eagle_flags: speculators_runs' defaults run), packed to that run's tokens per step."""
+    flags = list(eagle_flags)
+    flags[flags.index("--speculator-type") + 1] = "dflash"
+    flags[flags.index("--total-seq-len") + 1] = str(tokens_per_step)
+    return flags + ["--block-size", str(dflash["block_size"]), "--num-layers", str(dflash["num_layers"]),
+                    "--dflash-decay-gamma", str(dflash["decay_gamma"]), "--mask-token-id", str(dflash["mask_token_id"]),
+                    "--lr", str(dflash["lr"]), "--optimizer", "adamw"]
+
+
 def train_speculators(name: str, flags: list[str], prep: Path, out: Path) -> dict:
     python = PEERS_DIR / "speculators" / "bin" / "python"
     save = out / name
@@ -157,7 +174,11 @@ def train_speculators(name: str, flags: list[str], prep: Path, out: Path) -> dic
     cmd = [str(python), str(ROOT / "tools/peers/speculators_train.py"), str(prep), *flags, "--save-path", str(save)]
     rc, secs, rss = peak_rss_run(cmd, out / f"{name}.log")
     epochs = sorted((int(p.name), p) for p in save.glob("[0-9]*") if (p / "config.json").is_file())
-    ttt = int(flags[flags.index("--ttt-steps") + 1]) if "--ttt-steps" in flags else 3
+    if "--block-size" in flags:  # a DFlash run drafts block_size - 1 tokens a forward
+        entry["kind"] = "speculators_dflash"
+        ttt = int(flags[flags.index("--block-size") + 1]) - 1
+    else:
+        ttt = int(flags[flags.index("--ttt-steps") + 1]) if "--ttt-steps" in flags else 3
     entry |= {"train_s": round(secs, 1), "loop_s": speculators_loop_s(out / f"{name}.log"),
               "peak_rss_mb": round(rss), "ttt_steps": ttt,
               "tokens_per_step": int(flags[flags.index("--total-seq-len") + 1])}
@@ -256,9 +277,14 @@ def main(argv=None) -> dict:
         prep = speculators_prep.write(args.capture, args.target, args.out / "speculators_data", ours_cfg.data.val_rows)
     if "speculators" in peers:
         per_step = tokens_per_step(entries["eagleray"], args.capture, ours_cfg.data.val_rows, args.epochs)
-        for name, flags in speculators_runs(args, prep, per_step).items():
+        runs = speculators_runs(args, prep, per_step)
+        for name, flags in runs.items():
             if args.peer_runs == "both" or name.endswith("_aligned") == (args.peer_runs == "aligned"):
                 entries[name] = train_speculators(name, flags, prep, args.out)
+        for name, e in [(n, e) for n, e in entries.items() if "dflash" in e]:  # each DFlash run of ours
+            steps = tokens_per_step(e, args.capture, ours_cfg.data.val_rows, args.epochs)
+            flags = speculators_dflash_flags(runs["speculators"], e["dflash"], steps)
+            entries[f"speculators_{name}"] = train_speculators(f"speculators_{name}", flags, prep, args.out)
     if "specforge" in peers:
         per_row = specforge_bench.rows_per_step(entries["eagleray"], prep, args.epochs)
         for name, overrides in specforge_bench.runs(ours_cfg, per_row, args.epochs, args.seed).items():
@@ -282,14 +308,18 @@ def main(argv=None) -> dict:
               "epochs": args.epochs, "training_tokens": tokens}
     for k in (3, 7):
         key = f"vllm_tau_k{k}"
-        peer = [e[key] for e in entries.values() if not e["kind"].startswith("eagleray") and key in e]
+        peer = [e[key] for e in entries.values() if e["kind"] in ("speculators", "specforge") and key in e]
         ours = entries.get("eagleray", {}).get(key)
         name = "eagleray_vs_best_peer" + ("" if k == 3 else "_k7")
         result[name] = round(ours / max(peer), 4) if peer and ours else None
     speed = [e["token_ttt_steps_per_s"] for e in entries.values()
-             if not e["kind"].startswith("eagleray") and "token_ttt_steps_per_s" in e]
+             if e["kind"] in ("speculators", "specforge") and "token_ttt_steps_per_s" in e]
     ours_speed = entries.get("eagleray", {}).get("token_ttt_steps_per_s")
     result["eagleray_vs_fastest_peer_speed"] = round(ours_speed / max(speed), 4) if speed and ours_speed else None
+    for name, e in entries.items():  # each DFlash run of ours against speculators' DFlash aligned to it
+        peer = entries.get(f"speculators_{name}", {})
+        if "dflash" in e and e.get("vllm_tau_k3") and peer.get("vllm_tau_k3"):
+            result[f"{name}_vs_speculators_dflash"] = round(e["vllm_tau_k3"] / peer["vllm_tau_k3"], 4)
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return result

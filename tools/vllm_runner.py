@@ -36,10 +36,12 @@ def spec_counters(metrics) -> dict:
 
 
 def head_method(head: str) -> str:
-    """vLLM's speculative method for a head folder: dflash for a DFlashDraftModel config, else eagle3."""
+    """vLLM's speculative method for a head folder: dflash for a DFlashDraftModel config or a speculators
+    DFlash checkpoint, else eagle3."""
     with open(os.path.join(head, "config.json")) as f:
-        arch = json.load(f).get("architectures") or []
-    return "dflash" if arch == ["DFlashDraftModel"] else "eagle3"
+        cfg = json.load(f)
+    dflash = cfg.get("architectures") == ["DFlashDraftModel"] or cfg.get("speculators_model_type") == "dflash"
+    return "dflash" if dflash else "eagle3"
 
 
 def run(req: dict) -> dict:
