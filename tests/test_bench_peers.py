@@ -60,6 +60,15 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
     args.ours_cfg = load_config(TrainConfig, args.ours_config, [f"target={tiny_target}", f"data.shards={capture}"])
     for flags in bench_peers.speculators_runs(args, prep, 256).values():
         assert flags[flags.index("--seed") + 1] == "3" and flags[flags.index("--total-seq-len") + 1] == "256"
+    # speculators' DFlash follows one DFlash run of ours: its shape, decay, mask token and lr, its own packing
+    eagle = bench_peers.speculators_runs(args, prep, 256)["speculators"]
+    ours_dflash = {"block_size": 8, "num_layers": 2, "decay_gamma": 4.0, "lr": 5e-3, "mask_token_id": 7}
+    dfl = bench_peers.speculators_dflash_flags(eagle, ours_dflash, 300)
+    want = {"--speculator-type": "dflash", "--total-seq-len": "300", "--block-size": "8", "--num-layers": "2",
+            "--dflash-decay-gamma": "4.0", "--mask-token-id": "7", "--lr": "0.005", "--optimizer": "adamw",
+            "--seed": "3", "--target-layer-ids": str(speculators_prep.vllm_layer_ids(prep)[0])}
+    assert {f: dfl[dfl.index(f) + 1] for f in want} == want and all(dfl.count(f) == 1 for f in want)
+    assert eagle[eagle.index("--speculator-type") + 1] == "eagle3"  # the EAGLE-3 run's flags left as they were
     # --prompts held-out: each held-out row's ids up to its first loss token (the prompt the target saw)
     held_rows = list(speculators_prep.training_rows(capture, 5, held_out=True))
     firsts = [r["loss_mask"].index(1) for r in held_rows]

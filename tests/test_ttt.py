@@ -202,6 +202,31 @@ def test_loss_switches_equal_naive_loop(loss_mean, off_vocab):
     assert abs(got["loss"].item() - want.item()) < 1e-6 and abs(got["loss"].item() - base) > 1e-3
 
 
+def test_aux_noise_scales_per_state_and_stays_out_of_evaluation():
+    """model.aux_noise: noise relative to each aux state's RMS, in training mode only."""
+    from trainer.ttt import noisy_aux
+    torch.manual_seed(0)
+    scales = torch.tensor([0.01, 1.0, 100.0], dtype=torch.float64)  # low/mid/high states of very different size
+    aux = (torch.randn(4, 64, 3, 256, dtype=torch.float64) * scales[:, None]).flatten(-2)
+    rel = ((noisy_aux(aux, 0.1) - aux).unflatten(-1, (3, -1)).pow(2).mean((0, 1, 3)).sqrt() /
+           aux.unflatten(-1, (3, -1)).pow(2).mean((0, 1, 3)).sqrt())
+    assert torch.allclose(rel, torch.full((3,), 0.1, dtype=torch.float64), rtol=0.02)
+    head = tiny_head()
+    b, t = 2, 9
+    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
+    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 0, 0, 0]])
+    targets = compact_targets(tlogits, mask, head.t2d)
+    clean = TTTObjective(head, 3, 0.8)(aux, emb, *targets, mask)["loss"].item()
+    noisy = TTTObjective(head, 3, 0.8, aux_noise=0.2)
+    assert abs(noisy(aux, emb, *targets, mask)["loss"].item() - clean) > 1e-4
+    noisy.eval()
+    assert noisy(aux, emb, *targets, mask)["loss"].item() == clean
+    from trainer.config import Model
+    with pytest.raises(ValueError, match="kind: dflash reads none of aux_noise"):
+        Model(kind="dflash", aux_noise=0.1)  # DFlash's objective does not add it: refused, not ignored
+
+
 def test_target_rows_cover_exactly_what_steps_read():
     mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0]])
     need, row = target_rows(mask)

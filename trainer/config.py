@@ -92,6 +92,9 @@ class Model(StrictModel):
     # dropped, or kept with the target's distribution over the draft vocab.
     loss_mean: Literal["padded", "counted"] = "padded"
     off_vocab: Literal["drop", "keep"] = "drop"
+    # Gaussian noise on the aux states while training (not in evaluation): std relative to each state's RMS
+    # per position (EAGLE's feature noise, for a head that must read states of prompts it never saw).
+    aux_noise: float = Field(0.0, ge=0, le=1)
     # DFlash: draft layers, block size (anchor + masks: block_size - 1 tokens drafted per forward), the
     # mask slots' token (None: trainer/dflash.py default_mask_token), anchor blocks drawn per row, and
     # the slots' loss decay exp(-(k - 1) / gamma) (None: no decay).
@@ -119,9 +122,10 @@ class Model(StrictModel):
         if self.kind == "eagle3" and self.layers != 1:
             raise ValueError(f"num_layers: an EAGLE-3 head has one layer, not {self.layers}")
         if self.kind == "dflash":
-            on = [k for k, v in self.head_options.items() if v]
-            if on or self.compile:
-                raise ValueError(f"kind: dflash reads none of {', '.join(on or ['compile'])} (EAGLE-3 options)")
+            on = [k for k, v in self.head_options.items() if v] + ["compile"] * self.compile + \
+                ["aux_noise"] * bool(self.aux_noise)
+            if on:
+                raise ValueError(f"kind: dflash reads none of {', '.join(on)} (EAGLE-3 options)")
         return self
 
 

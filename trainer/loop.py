@@ -97,7 +97,8 @@ class HeadTrainer:
         if m.kind == "dflash":
             mask = self.target.embed(torch.tensor([head.config.mask_token_id], device=self.device))[0]
             return DFlashObjective(head, mask, m.anchors, m.decay_gamma, m.off_vocab, self.cfg.seed)
-        return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.loss_mean, m.off_vocab)
+        return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.loss_mean, m.off_vocab,
+                            m.aux_noise)
 
     def _engine(self, objective):
         import deepspeed

@@ -128,6 +128,14 @@ class StepSums:
                 "tokens": float(t[3 * L + 1])}
 
 
+def noisy_aux(aux: torch.Tensor, std: float, groups: int = 3) -> torch.Tensor:
+    """aux [B,T,groups*Ht] plus N(0, (std * rms)^2) noise, rms per position and aux state (each of the
+    `groups` slices of the last dim has its own scale: low, mid and high layers differ by orders)."""
+    x = aux.unflatten(-1, (groups, -1))
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)
+    return (x + torch.randn_like(x) * (std * rms)).flatten(-2)
+
+
 def step_weights(ttt_length: int, decay: float) -> list[float]:
     return [decay ** s for s in range(ttt_length)]
 
@@ -166,14 +174,15 @@ class TTTObjective(nn.Module):
     inside the sequence): prompt, padding and the tail past the sequence cost no vocab-sized work."""
 
     def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
-                 compile: bool = False, loss_mean: str = "padded", off_vocab: str = "drop"):
+                 compile: bool = False, loss_mean: str = "padded", off_vocab: str = "drop", aux_noise: float = 0.0):
         """loss_mean: "padded" divides each step's loss sum by every position of the batch (padding and
         prompt included), "counted" by the positions that step counts (each step a mean, every batch the
         same weight: speculators'). off_vocab: where the target's argmax is outside the draft vocabulary,
-        "drop" the position from the loss, or "keep" it (the target's distribution over the draft vocab)."""
+        "drop" the position from the loss, or "keep" it (the target's distribution over the draft vocab).
+        aux_noise: `noisy_aux`'s relative std, in training mode only."""
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
-        self.loss_mean, self.keep_off_vocab = loss_mean, off_vocab == "keep"
+        self.loss_mean, self.keep_off_vocab, self.aux_noise = loss_mean, off_vocab == "keep", aux_noise
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self.step_loss = step_loss
         if compile:
@@ -199,6 +208,8 @@ class TTTObjective(nn.Module):
         """target_p [N,Vd] and target_argmax [N]: the compact target table of `target_rows`, whose
         `row` [B,T] is target_row; loss_mask [B,T]."""
         total = aux.new_zeros((), dtype=torch.float32)
+        if self.training and self.aux_noise:
+            aux = noisy_aux(aux, self.aux_noise)
         positions = loss_mask.numel()
         losses, correct, counted = [], [], []
         for s, x in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length, self.flash)):
