@@ -63,8 +63,8 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
     # speculators' DFlash follows one DFlash run of ours: its shape, decay, mask token and lr, its own packing
     eagle = bench_peers.speculators_runs(args, prep, 256)["speculators"]
     ours_dflash = {"block_size": 8, "num_layers": 2, "decay_gamma": 4.0, "lr": 5e-3, "mask_token_id": 7}
-    dfl = bench_peers.speculators_dflash_flags(eagle, ours_dflash, 300)
-    want = {"--speculator-type": "dflash", "--total-seq-len": "300", "--block-size": "8", "--num-layers": "2",
+    dfl = bench_peers.speculators_dflash_flags(eagle, ours_dflash, 300, 128)
+    want = {"--max-anchors": "128", "--speculator-type": "dflash", "--total-seq-len": "300", "--block-size": "8", "--num-layers": "2",
             "--dflash-decay-gamma": "4.0", "--mask-token-id": "7", "--lr": "0.005", "--optimizer": "adamw",
             "--seed": "3", "--target-layer-ids": str(speculators_prep.vllm_layer_ids(prep)[0])}
     assert {f: dfl[dfl.index(f) + 1] for f in want} == want and all(dfl.count(f) == 1 for f in want)

@@ -40,6 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from infer.benchmarks import chat_ids, default_prompts, prompt_file  # noqa: E402
 from peers import specforge_bench, speculators_prep  # noqa: E402
+from pipeline.shards import read_manifest  # noqa: E402
 from pipeline.yaml_config import load_config  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 
@@ -114,7 +115,7 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
     if kind == "dflash" and entry["status"] == "ok":  # what speculators' DFlash aligns to
         m = cfg.model
         entry["dflash"] = {"block_size": m.block_size, "num_layers": m.layers, "decay_gamma": m.decay_gamma,
-                           "lr": cfg.optim.lr, "mask_token_id": json.loads(
+                           "lr": cfg.optim.lr, "anchors": m.anchors, "mask_token_id": json.loads(
                                (head / "config.json").read_text())["dflash_config"]["mask_token_id"]}
     if (run_dir / "report.json").is_file():
         report = json.loads((run_dir / "report.json").read_text())
@@ -129,7 +130,6 @@ def tokens_per_step(ours: dict, capture: Path, n_val: int, epochs: int) -> int:
     """The tokens our run put in one optimizer step on average (its steps over the same rows and epochs):
     speculators packs one sequence of this many tokens a step, so both take about as many steps."""
     if ours.get("steps"):  # never below the longest row (a longer row would not fit one packed sequence)
-        from pipeline.shards import read_manifest
         longest = read_manifest(capture)["max_length"]
         return max(longest, round(speculators_prep.training_tokens(capture, n_val) * epochs / ours["steps"]))
     return ours["tokens_per_step"]
@@ -153,16 +153,18 @@ def speculators_runs(args, prep: Path, tokens_per_step: int) -> dict[str, list[s
     return {"speculators": common, "speculators_aligned": common + aligned}
 
 
-def speculators_dflash_flags(eagle_flags: list[str], dflash: dict, tokens_per_step: int) -> list[str]:
+def speculators_dflash_flags(eagle_flags: list[str], dflash: dict, tokens_per_step: int,
+                             anchors_per_step: int) -> list[str]:
     """speculators' DFlash (`--speculator-type dflash`) aligned to one of our DFlash runs: its block size,
     layers, slot decay, mask token and learning rate, on the same rows, vocabulary and epochs as its EAGLE-3
-    runs (eagle_flags: speculators_runs' defaults run), packed to that run's tokens per step."""
+    runs (eagle_flags: speculators_runs' defaults run), packed to that run's tokens per step, with as many
+    anchor blocks a step as ours drew (its default, 512 a pack, would give it more)."""
     flags = list(eagle_flags)
     flags[flags.index("--speculator-type") + 1] = "dflash"
     flags[flags.index("--total-seq-len") + 1] = str(tokens_per_step)
     return flags + ["--block-size", str(dflash["block_size"]), "--num-layers", str(dflash["num_layers"]),
                     "--dflash-decay-gamma", str(dflash["decay_gamma"]), "--mask-token-id", str(dflash["mask_token_id"]),
-                    "--lr", str(dflash["lr"]), "--optimizer", "adamw"]
+                    "--lr", str(dflash["lr"]), "--optimizer", "adamw", "--max-anchors", str(anchors_per_step)]
 
 
 def train_speculators(name: str, flags: list[str], prep: Path, out: Path) -> dict:
@@ -283,7 +285,9 @@ def main(argv=None) -> dict:
                 entries[name] = train_speculators(name, flags, prep, args.out)
         for name, e in [(n, e) for n, e in entries.items() if "dflash" in e]:  # each DFlash run of ours
             steps = tokens_per_step(e, args.capture, ours_cfg.data.val_rows, args.epochs)
-            flags = speculators_dflash_flags(runs["speculators"], e["dflash"], steps)
+            rows = (read_manifest(args.capture)["rows"] - ours_cfg.data.val_rows) * args.epochs
+            anchors = round(e["dflash"]["anchors"] * rows / max(1, e.get("steps") or rows))
+            flags = speculators_dflash_flags(runs["speculators"], e["dflash"], steps, anchors)
             entries[f"speculators_{name}"] = train_speculators(f"speculators_{name}", flags, prep, args.out)
     if "specforge" in peers:
         per_row = specforge_bench.rows_per_step(entries["eagleray"], prep, args.epochs)
