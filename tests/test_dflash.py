@@ -228,3 +228,32 @@ def test_sampling_with_a_dflash_tree_keeps_the_target_distribution():
     print(res)
     assert res["impossible"] == 0 and res["accepted"] > 0.03 * 5000
     assert res["cells"] >= 10 and res["p_value"] > 0.01
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_layers_init_copies_the_targets_last_layers(tmp_path, tiny_target, arch):
+    """model.layers_init: target: the DFlash layers start as the target's last layers and its final norm
+    (q/k norms too where the target has them, at one where it has none); refused for EAGLE-3."""
+    from trainer.config import Model
+    from trainer.warm_start import run_head_config, starting_head
+
+    target = make_random_target(arch, tiny_target, tmp_path / arch)
+    model = AutoModelForCausalLM.from_pretrained(target).float()
+    n = model.config.num_hidden_layers
+    m = Model(kind="dflash", num_layers=2, layers_init="target")
+    d2t, t2d = torch.zeros(VOCAB, dtype=torch.long), torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[:VOCAB] = True
+    emb = model.get_input_embeddings().weight.detach()
+    hcfg = run_head_config(m, model.config, VOCAB, emb)
+    head = starting_head(m, hcfg, d2t, t2d, model.lm_head.weight.detach(), n, target)
+    for j, src in enumerate(model.model.layers[n - 2:]):
+        got = dict(head.layers[j].named_parameters())
+        for name, p in src.named_parameters():
+            assert torch.equal(got[name], p), (j, name)
+        if arch == "llama":
+            assert torch.equal(got["self_attn.q_norm.weight"], torch.ones(hcfg.head_dim))
+    assert torch.equal(head.norm.weight, model.model.norm.weight)
+    fresh = starting_head(Model(kind="dflash", num_layers=2), hcfg, d2t, t2d, model.lm_head.weight.detach(), n)
+    assert not torch.equal(fresh.layers[1].mlp.up_proj.weight, model.model.layers[n - 1].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="layers_init: target is for kind: dflash"):
+        Model(layers_init="target")

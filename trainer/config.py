@@ -103,6 +103,9 @@ class Model(StrictModel):
     mask_token_id: int | None = Field(None, ge=0)
     anchors: int = Field(32, ge=1)
     decay_gamma: float | None = Field(4.0, gt=0)
+    # DFlash layers' start: "random", or "target": copies of the target's last num_layers decoder layers
+    # (q/k norms at one where the target has none; Llama/Qwen-style layers of the head's shapes).
+    layers_init: Literal["random", "target"] = "random"
 
     @property
     def layers(self) -> int:
@@ -119,6 +122,8 @@ class Model(StrictModel):
             raise ValueError("norm_before_fc and fc_norm: one or the other (both norm the aux states)")
         if self.freeze_lm_head and self.lm_head_init == "random" and self.init_from is None:
             raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
+        if self.kind == "eagle3" and self.layers_init != "random":
+            raise ValueError("layers_init: target is for kind: dflash (an EAGLE-3 layer reads 2x the target's width)")
         if self.kind == "eagle3" and self.layers != 1:
             raise ValueError(f"num_layers: an EAGLE-3 head has one layer, not {self.layers}")
         if self.kind == "dflash":

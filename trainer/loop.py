@@ -75,7 +75,7 @@ class HeadTrainer:
         self.spec = TargetSpec.read(cfg.target)
         self.aux_layer_ids = aux_layer_ids
         hcfg = run_head_config(cfg.model, self.spec.config, len(d2t), parts.embedding)
-        head = starting_head(cfg.model, hcfg, d2t, t2d, parts.lm_weight, self.spec.num_layers)
+        head = starting_head(cfg.model, hcfg, d2t, t2d, parts.lm_weight, self.spec.num_layers, cfg.target)
         self.hcfg = hcfg
         self.compute_dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bf16" else torch.float32
         if (self.compute_dtype == torch.bfloat16 and not cfg.scaling.use_gpu and self.rank == 0

@@ -90,3 +90,23 @@ def load_target_parts(target: str | Path) -> TargetParts:
     tensors = _read(target, sorted({emb_name, head_name} | ({bias_name} if bias_name else set())))
     return TargetParts(tensors[emb_name], tensors[head_name], tensors.get(bias_name) if bias_name else None,
                        LogitRule.of(cfg), cfg)
+
+
+def load_target_layers(target: str | Path, layer_ids: list[int]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+    """The tensors of the target's decoder layers `layer_ids`, each dict keyed by the layer's own parameter
+    names (`self_attn.q_proj.weight`, ...), and its final norm's weight (the last `*norm.weight` outside the
+    layers; None if there is none), read without loading the model (as `load_target_parts`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.target import decoder_layers
+
+    target = Path(target)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target))
+    layers = decoder_layers(model)
+    names = [{local: _param_name(model, p) for local, p in layers[i].named_parameters()} for i in layer_ids]
+    inside = {id(p) for p in layers.parameters()}
+    norms = [n for n, p in model.named_parameters() if n.endswith("norm.weight") and id(p) not in inside]
+    tensors = _read(target, sorted({n for layer in names for n in layer.values()} | set(norms[-1:])))
+    return [{local: tensors[full] for local, full in layer.items()} for layer in names], \
+        (tensors[norms[-1]] if norms else None)

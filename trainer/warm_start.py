@@ -87,14 +87,43 @@ def run_head_config(model, tcfg, draft_vocab: int, embedding: torch.Tensor) -> H
     return head_config_from_target(tcfg, draft_vocab, model.intermediate_size, **model.head_options, **extra)
 
 
+def target_layer_state(layers: list[dict[str, torch.Tensor]], head: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A DFlash head's `layers.{j}.*` from the target's decoder layers (`load_target_layers`, one dict a
+    draft layer): every tensor the head's layer has under the same name; q/k norms stay as they are where
+    the target has none (Llama). One line naming the tensor when a projection is missing or mis-shaped."""
+    own, out = head.state_dict(), {}
+    for j, layer in enumerate(layers):
+        for k, v in own.items():
+            if not k.startswith(f"layers.{j}."):
+                continue
+            local = k[len(f"layers.{j}."):]
+            if local not in layer:
+                if local.endswith(("q_norm.weight", "k_norm.weight")):
+                    continue
+                raise ValueError(f"model.layers_init: target: the target's layer has no {local} (Llama/Qwen-style "
+                                 f"layers only)")
+            if tuple(layer[local].shape) != tuple(v.shape):
+                raise ValueError(f"model.layers_init: target: {local} is {tuple(layer[local].shape)} in the target, "
+                                 f"{tuple(v.shape)} in the head")
+            out[k] = layer[local].to(v.dtype)
+    return out
+
+
 def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor, target_lm: torch.Tensor,
-                  num_layers: int) -> torch.nn.Module:
+                  num_layers: int, target=None) -> torch.nn.Module:
     """The head a run starts from (trainer config's `model` section): fresh, its lm_head from the target's
-    rows (`lm_head_init: target`) or another head's weights (`init_from`, of the same kind); lm_head
-    frozen on request."""
+    rows (`lm_head_init: target`), its DFlash layers from the target's last layers (`layers_init: target`;
+    `target` is then the target's folder) or another head's weights (`init_from`, of the same kind);
+    lm_head frozen on request."""
     head = build_head(hcfg)
     if model.init_std is not None:
         normal_init(head, model.init_std)
+    if model.layers_init == "target":
+        from trainer.target_parts import load_target_layers
+        layers, final_norm = load_target_layers(target, list(range(num_layers - hcfg.num_layers, num_layers)))
+        head.load_state_dict(target_layer_state(layers, head), strict=False)
+        if final_norm is not None and final_norm.shape == head.norm.weight.shape:  # what the target's rows read
+            head.norm.weight.data.copy_(final_norm)
     if model.lm_head_init == "target":
         head.lm_head.weight.data.copy_(target_lm_rows(target_lm, d2t, hcfg.hidden_size))
     if model.init_from is not None:
