@@ -70,7 +70,13 @@ class DFlashRunner:
         emb = torch.cat([self.embed[root_token][None], self.mask_embedding.expand(levels, -1)])[None]
         pos = (last_pos + 1 + torch.arange(levels + 1, device=dev))[None]
         ctx = [cache.upto(cache.committed) for cache in self.cache.layers]
-        x = self.head.block(emb, pos, ctx, None)  # every block slot sees the whole context and the block
+        mask = None  # every block slot sees the whole context and the block
+        if self.head.config.block_causal:  # ... or its block's slots up to itself
+            q = levels + 1
+            mask = torch.ones(q, ctx[0][0].shape[2] + q, dtype=torch.bool, device=dev)
+            mask[:, -q:] = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+            mask = mask[None, None]
+        x = self.head.block(emb, pos, ctx, mask)
         return self.head.logits(x[0, 1:])
 
     @torch.no_grad()

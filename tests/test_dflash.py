@@ -23,10 +23,11 @@ from trainer.ttt import target_rows
 VOCAB = 96
 
 
-def dflash_head(tcfg, seed=0, layers=2, block=5, vocab=VOCAB, mask=7) -> DFlashHead:
+def dflash_head(tcfg, seed=0, layers=2, block=5, vocab=VOCAB, mask=7, causal=False) -> DFlashHead:
     """A random DFlash head whose norms are away from 1, so a norm applied twice or not at all shows."""
     torch.manual_seed(seed)
-    cfg = head_config_from_target(tcfg, vocab, kind="dflash", num_layers=layers, block_size=block, mask_token_id=mask)
+    cfg = head_config_from_target(tcfg, vocab, kind="dflash", num_layers=layers, block_size=block, mask_token_id=mask,
+                                  block_causal=causal)
     head = DFlashHead(cfg).double()
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -60,6 +61,9 @@ def test_anchors_and_block_mask():
                 want_ctx = [bool(keep[b, n]) and j < int(anchors[b, n]) for j in range(t)]
                 want_blk = [j // bs == n for j in range(6 * bs)]
                 assert m[b, q].tolist() == want_ctx + want_blk, (b, n, k)
+    causal = block_mask(anchors, keep, t, bs, causal=True)[:, 0]  # slot k sees its block's slots <= k only
+    assert causal[0, 3 * bs + 1, t:].tolist() == [j in (3 * bs, 3 * bs + 1) for j in range(6 * bs)]
+    assert torch.equal(causal[..., :t], m[..., :t]) and causal.sum() < m.sum()
     assert block_positions(anchors[:1, :2], bs).tolist() == [[2, 3, 4, 3, 4, 5]]
     need, row = target_rows(mask)
     rows, valid = block_labels(anchors, keep, row, bs)
@@ -74,10 +78,11 @@ def test_anchors_and_block_mask():
 
 
 @torch.no_grad()
-def test_training_block_is_the_decoding_block():
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_block_is_the_decoding_block(causal):
     """The training forward (many anchors, one masked pass) and the decoder (context cached by ingest, one
-    block, no mask) give the same logits for every block."""
-    head = dflash_head(small_cfg())
+    block, masked only when causal) give the same logits for every block; the causal block differs."""
+    head = dflash_head(small_cfg(), causal=causal)
     gen = torch.Generator().manual_seed(3)
     t = 24
     aux = torch.randn(1, t, 3 * 64, generator=gen, dtype=torch.float64)
@@ -88,8 +93,10 @@ def test_training_block_is_the_decoding_block():
     x = embed[head.config.mask_token_id].expand(1, 4, bs, -1).clone()
     x[:, :, 0] = embed[ids[0, anchors[0]]]
     ctx = head.context_kv(aux, torch.arange(t)[None])
-    out = head.block(x.flatten(1, 2), block_positions(anchors, bs), ctx, block_mask(anchors, keep, t, bs))
+    out = head.block(x.flatten(1, 2), block_positions(anchors, bs), ctx, block_mask(anchors, keep, t, bs, causal))
     train_logits = head.logits(out.view(1, 4, bs, -1)[0, :, 1:])
+    other = head.block(x.flatten(1, 2), block_positions(anchors, bs), ctx, block_mask(anchors, keep, t, bs, not causal))
+    assert not torch.allclose(head.logits(other.view(1, 4, bs, -1)[0, :, 1:]), train_logits)
     runner = DFlashRunner(head, embed)
     for n, a in enumerate(anchors[0].tolist()):
         runner.reset()
@@ -141,7 +148,7 @@ def test_export_is_vllms_dflash_format_and_imports_back(tmp_path):
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
     assert conf["num_hidden_layers"] == 2 and conf["block_size"] == 5
-    assert conf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 3, 6]}
+    assert conf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 3, 6], "causal": False}
     assert conf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 7]
     back, cfg, aux = import_head(out, 8)
     assert aux == [1, 3, 6] and cfg == head.config
@@ -172,6 +179,42 @@ def test_export_is_vllms_dflash_format_and_imports_back(tmp_path):
     conf["num_hidden_layers"] = 3
     (out / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ValueError, match=r"missing \['layers\.2\."):
+        import_head(out, 8)
+
+
+def test_causal_block_and_speculators_dflash_configs_import(tmp_path):
+    """A causal-block head exports `dflash_config.causal: true` and imports back causal; a speculators DFlash
+    checkpoint (its layer config, aux ids as inputs of layers, causal sliding layers) imports as vLLM 0.32
+    converts it; a sliding window shorter than the head's positions and mixed layer kinds are refused."""
+    head = dflash_head(small_cfg(), vocab=40, causal=True).float()
+    state = head_state(head)
+    out = export_head(state, head.config, [1, 3, 6], spec(8), tmp_path / "c", "dflash")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["dflash_config"]["causal"] is True and import_head(out, 8)[1] == head.config
+    layer = {k: v for k, v in conf.items() if k not in ("architectures", "dflash_config", "block_size",
+                                                          "eagle_aux_hidden_state_layer_ids", "draft_vocab_size")}
+    layer["rope_parameters"] = {"rope_type": "default", "rope_theta": 50000.0}  # transformers 5: theta in here
+    layer.pop("rope_theta", None)
+    spec_conf = {"architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash", "block_size": 5,
+                 "draft_vocab_size": 40, "mask_token_id": 7, "aux_hidden_state_layer_ids": [2, 4, 7],
+                 "target_hidden_size": None, "sliding_window_non_causal": False,
+                 "transformer_layer_config": {**layer, "layer_types": ["sliding_attention"] * 2,
+                                              "sliding_window": layer["max_position_embeddings"]}}
+    (out / "config.json").write_text(json.dumps(spec_conf))
+    back, cfg, aux = import_head(out, 8)
+    assert aux == [1, 3, 6] and cfg.block_causal and cfg.rope_parameters["rope_theta"] == 50000.0
+    assert cfg.block_size == 5 and cfg.mask_token_id == 7 and all(torch.equal(back[k], state[k]) for k in state)
+    spec_conf["sliding_window_non_causal"] = True
+    (out / "config.json").write_text(json.dumps(spec_conf))
+    assert not import_head(out, 8)[1].block_causal
+    spec_conf["transformer_layer_config"]["sliding_window"] = 64
+    (out / "config.json").write_text(json.dumps(spec_conf))
+    with pytest.raises(ValueError, match="sliding_window 64: a window shorter than"):
+        import_head(out, 8)
+    conf["dflash_config"].pop("causal")
+    conf["layer_types"] = ["sliding_attention", "full_attention"]
+    (out / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="layer_types: causal and non-causal layers mixed"):
         import_head(out, 8)
 
 

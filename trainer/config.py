@@ -106,6 +106,9 @@ class Model(StrictModel):
     # DFlash layers' start: "random", or "target": copies of the target's last num_layers decoder layers
     # (q/k norms at one where the target has none; Llama/Qwen-style layers of the head's shapes).
     layers_init: Literal["random", "target"] = "random"
+    # Causal attention inside the block (slot k sees slots <= k; speculators' DFlash and vLLM's
+    # `dflash_config.causal`), against DFlash's original non-causal block.
+    block_causal: bool = False
 
     @property
     def layers(self) -> int:
@@ -122,6 +125,8 @@ class Model(StrictModel):
             raise ValueError("norm_before_fc and fc_norm: one or the other (both norm the aux states)")
         if self.freeze_lm_head and self.lm_head_init == "random" and self.init_from is None:
             raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
+        if self.kind == "eagle3" and self.block_causal:
+            raise ValueError("block_causal: an EAGLE-3 head drafts no block (kind: dflash)")
         if self.kind == "eagle3" and self.layers_init != "random":
             raise ValueError("layers_init: target is for kind: dflash (an EAGLE-3 layer reads 2x the target's width)")
         if self.kind == "eagle3" and self.layers != 1:

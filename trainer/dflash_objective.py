@@ -44,16 +44,21 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors[..., None] + k).flatten(1)
 
 
-def block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """[B, 1, N * bs, T + N * bs] bool: query (n, k) sees context j < anchors[n] and its own block's slots.
-    A block that is not kept sees its own slots only (no empty softmax row); it counts nowhere."""
+def block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int,
+               causal: bool = False) -> torch.Tensor:
+    """[B, 1, N * bs, T + N * bs] bool: query (n, k) sees context j < anchors[n] and its own block's slots
+    (causal: its block's slots <= k). A block that is not kept sees its own slots only (no empty softmax
+    row); it counts nowhere."""
     b, n = anchors.shape
     dev = anchors.device
     q_anchor = anchors.repeat_interleave(block_size, dim=1)                           # [B, Q]
     ctx = torch.arange(seq_len, device=dev)[None, None, :] < q_anchor[..., None]     # [B, Q, T]
     ctx &= keep.repeat_interleave(block_size, dim=1)[..., None]
     blk = torch.arange(n, device=dev).repeat_interleave(block_size)
-    own = (blk[:, None] == blk[None, :]).expand(b, -1, -1)                            # [B, Q, Q]
+    own = blk[:, None] == blk[None, :]                                                # [Q, Q]
+    if causal:
+        own = own.tril()
+    own = own.expand(b, -1, -1)
     return torch.cat([ctx, own], dim=2)[:, None]
 
 
@@ -110,7 +115,7 @@ class DFlashObjective(nn.Module):
         ctx = self.head.context_kv(aux, torch.arange(t, device=aux.device).expand(b, t))
         x = self.mask_embedding.to(emb.dtype).expand(b, n, bs, -1).clone()
         x[:, :, 0] = emb.gather(1, anchors[..., None].expand(-1, -1, emb.shape[-1]))
-        out = self.head.block(x.flatten(1, 2), block_positions(anchors, bs), ctx, block_mask(anchors, keep, t, bs))
+        out = self.head.block(x.flatten(1, 2), block_positions(anchors, bs), ctx, block_mask(anchors, keep, t, bs, self.head.config.block_causal))
         rows, valid = block_labels(anchors, keep, target_row, bs)
         out = out.view(b, n, bs, -1)[:, :, 1:]
         correct = torch.zeros_like(valid)

@@ -165,6 +165,8 @@ def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dic
     folder = Path(folder)
     conf = json.loads((folder / "config.json").read_text())
     raw = load_file(str(folder / "model.safetensors"))
+    if conf.get("speculators_model_type") == "dflash":
+        conf = speculators_dflash_conf(conf, folder)
     if conf.get("architectures") == [DFLASH_ARCH]:
         return import_dflash(conf, raw, folder, num_target_layers)
     if "speculators_config" in conf or conf.get("architectures") == ["Eagle3Speculator"]:
@@ -200,6 +202,8 @@ def _config_of(fields: dict, folder: Path, **extra) -> HeadConfig:
     rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
     if fields.get("rope_scaling"):
         rope.update(fields["rope_scaling"])
+    if fields.get("rope_parameters"):  # transformers 5 configs (speculators' layer configs): theta inside
+        rope.update(fields["rope_parameters"])
     try:
         return HeadConfig(
             hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
@@ -261,13 +265,48 @@ def export_dflash(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], out: P
     conf = {"architectures": [DFLASH_ARCH], "model_type": "qwen3", **fields, "num_hidden_layers": cfg.num_layers,
             "target_hidden_size": cfg.target_hidden_size, "attention_bias": False, "use_sliding_window": False,
             "block_size": cfg.block_size, "eagle_aux_hidden_state_layer_ids": [j + 1 for j in aux],
-            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": aux}}
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": aux, "causal": cfg.block_causal}}
     tensors = dict(state)
     if cfg.draft_vocab_size == cfg.vocab_size:
         tensors.pop("d2t")
     (out / "config.json").write_text(json.dumps(conf, indent=2))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "eagleray_format": "dflash"})
     return out
+
+
+def speculators_dflash_conf(conf: dict, folder: Path) -> dict:
+    """A speculators DFlash config as the vLLM DFlashDraftModel config it stands for, by vLLM 0.32's own
+    conversion (transformers_utils/configs/speculators/algos.py update_dflash): its layer config's fields,
+    aux ids as inputs of layers (`aux_hidden_state_layer_ids`), the block causal unless
+    `sliding_window_non_causal`. A sliding window shorter than the head's positions is refused (our engine
+    attends to the whole context)."""
+    layer = dict(conf.get("transformer_layer_config") or {})
+    ids = conf.get("aux_hidden_state_layer_ids")
+    if ids is None:
+        raise ValueError(f"{folder}: aux_hidden_state_layer_ids: missing (which target layers feed the head)")
+    window = layer.get("sliding_window")
+    if "sliding_attention" in (layer.get("layer_types") or []) and window is not None \
+            and window < layer.get("max_position_embeddings", 0):
+        raise ValueError(f"{folder}: transformer_layer_config.sliding_window {window}: a window shorter than "
+                         f"{layer.get('max_position_embeddings')} positions (our engine attends to all of them)")
+    return {**layer, "architectures": [DFLASH_ARCH], "block_size": conf.get("block_size"),
+            "draft_vocab_size": conf.get("draft_vocab_size"), "target_hidden_size": conf.get("target_hidden_size"),
+            "eagle_aux_hidden_state_layer_ids": list(ids),
+            "dflash_config": {"mask_token_id": conf.get("mask_token_id"), "target_layer_ids": [i - 1 for i in ids],
+                              "causal": not conf.get("sliding_window_non_causal", True)}}
+
+
+def block_causal(conf: dict, folder: Path) -> bool:
+    """Whether a DFlash config's block is causal, by vLLM 0.32's rule (qwen3_dflash.py _dflash_layer_causal):
+    `is_causal`, else `dflash_config.causal`, else each layer's type (sliding: causal); layers must agree."""
+    if conf.get("is_causal") is not None:
+        return bool(conf["is_causal"])
+    if (conf.get("dflash_config") or {}).get("causal") is not None:
+        return bool(conf["dflash_config"]["causal"])
+    kinds = {t == "sliding_attention" for t in (conf.get("layer_types") or [])} or {False}
+    if len(kinds) > 1:
+        raise ValueError(f"{folder}: layer_types: causal and non-causal layers mixed (our engine runs one block mask)")
+    return kinds.pop()
 
 
 def import_dflash(conf: dict, raw: dict, folder: Path, num_target_layers: int | None):
@@ -287,7 +326,8 @@ def import_dflash(conf: dict, raw: dict, folder: Path, num_target_layers: int | 
     fields = dict(conf, draft_vocab_size=conf.get("draft_vocab_size") or conf.get("vocab_size"),
                   target_hidden_size=conf.get("target_hidden_size") or conf.get("hidden_size"))
     cfg = _config_of(fields, folder, kind="dflash", num_layers=conf.get("num_hidden_layers", 0),
-                     block_size=conf.get("block_size", 0), mask_token_id=dcfg.get("mask_token_id"))
+                     block_size=conf.get("block_size", 0), mask_token_id=dcfg.get("mask_token_id"),
+                     block_causal=block_causal(conf, folder))
     state = dict(raw)
     if "d2t" not in state:  # shipped only for a smaller draft vocabulary (export_dflash)
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)

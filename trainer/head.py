@@ -45,6 +45,7 @@ class HeadConfig:
     num_layers: int = 1
     block_size: int = 0                 # dflash: anchor + masks per block
     mask_token_id: int | None = None    # dflash: the target vocabulary id whose embedding fills the masks
+    block_causal: bool = False          # dflash: slot k sees block slots <= k only (vLLM's dflash_config.causal)
 
     def __post_init__(self):
         if self.norm_before_fc and self.fc_norm:
@@ -62,6 +63,8 @@ class HeadConfig:
             if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
                 raise ValueError(f"model.mask_token_id: {self.mask_token_id} is not a target vocabulary id "
                                  f"(0..{self.vocab_size - 1})")
+        elif self.block_causal:
+            raise ValueError("model.block_causal: an EAGLE-3 head drafts no block")
         elif self.num_layers != 1:
             raise ValueError(f"model.num_layers: an EAGLE-3 head has one layer, not {self.num_layers}")
 

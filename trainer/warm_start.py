@@ -83,7 +83,8 @@ def run_head_config(model, tcfg, draft_vocab: int, embedding: torch.Tensor) -> H
             ids = [getattr(t, k, None) for k in ("eos_token_id", "bos_token_id", "pad_token_id")]
             avoid = {int(i) for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None}
             mask = default_mask_token(embedding, avoid)
-        extra = {"kind": "dflash", "num_layers": model.layers, "block_size": model.block_size, "mask_token_id": mask}
+        extra = {"kind": "dflash", "num_layers": model.layers, "block_size": model.block_size, "mask_token_id": mask,
+                 "block_causal": model.block_causal}
     return head_config_from_target(tcfg, draft_vocab, model.intermediate_size, **model.head_options, **extra)
 
 
