@@ -115,7 +115,8 @@ class DFlashObjective(nn.Module):
         ctx = self.head.context_kv(aux, torch.arange(t, device=aux.device).expand(b, t))
         x = self.mask_embedding.to(emb.dtype).expand(b, n, bs, -1).clone()
         x[:, :, 0] = emb.gather(1, anchors[..., None].expand(-1, -1, emb.shape[-1]))
-        out = self.head.block(x.flatten(1, 2), block_positions(anchors, bs), ctx, block_mask(anchors, keep, t, bs, self.head.config.block_causal))
+        mask = block_mask(anchors, keep, t, bs, self.head.config.block_causal)
+        out = self.head.block(x.flatten(1, 2), block_positions(anchors, bs), ctx, mask)
         rows, valid = block_labels(anchors, keep, target_row, bs)
         out = out.view(b, n, bs, -1)[:, :, 1:]
         correct = torch.zeros_like(valid)
