@@ -121,6 +121,12 @@ def test_speculators_layout(tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     assert {k.replace("layers.0.", "midlayer.") for k in tensors} == DESIGN_KEYS
     assert not any(k.startswith("midlayer.") for k in tensors)
+    # speculators' own checkpoints (transformers 5) keep the theta inside rope_parameters: read from there
+    layer = conf["transformer_layer_config"]
+    layer.pop("rope_theta", None)
+    layer["rope_parameters"] = {"rope_type": "default", "rope_theta": 100000.0}
+    (out / "config.json").write_text(json.dumps(conf))
+    assert import_head(out, 8)[1].rope_parameters["rope_theta"] == 100000.0
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
