@@ -62,12 +62,20 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
         assert flags[flags.index("--seed") + 1] == "3" and flags[flags.index("--total-seq-len") + 1] == "256"
     # speculators' DFlash follows one DFlash run of ours: its shape, decay, mask token and lr, its own packing
     eagle = bench_peers.speculators_runs(args, prep, 256)["speculators"]
-    ours_dflash = {"block_size": 8, "num_layers": 2, "decay_gamma": 4.0, "lr": 5e-3, "mask_token_id": 7}
+    ours_dflash = {"block_size": 8, "num_layers": 2, "decay_gamma": 4.0, "lr": 5e-3, "mask_token_id": 7,
+                   "labels": "soft", "position_weight": "decay", "dpace_alpha": 0.5, "block_causal": False}
     dfl = bench_peers.speculators_dflash_flags(eagle, ours_dflash, 300, 128)
     want = {"--max-anchors": "128", "--speculator-type": "dflash", "--total-seq-len": "300", "--block-size": "8", "--num-layers": "2",
             "--dflash-decay-gamma": "4.0", "--mask-token-id": "7", "--lr": "0.005", "--optimizer": "adamw",
-            "--seed": "3", "--target-layer-ids": str(speculators_prep.vllm_layer_ids(prep)[0])}
+            "--seed": "3", "--target-layer-ids": str(speculators_prep.vllm_layer_ids(prep)[0]),
+            "--loss-fn": "kl_div", "--per-position-loss-weight": "fixed-exp-decay"}
     assert {f: dfl[dfl.index(f) + 1] for f in want} == want and all(dfl.count(f) == 1 for f in want)
+    assert "--sliding-window-non-causal" in dfl  # our block sees all its slots: so does its
+    # speculators' own DFlash recipe (hard labels, D-PACE, a causal block) when ours trains it
+    dfl = bench_peers.speculators_dflash_flags(eagle, ours_dflash | {"labels": "hard", "position_weight": "dpace",
+                                                                     "dpace_alpha": 0.3, "block_causal": True}, 300, 128)
+    want = {"--loss-fn": "ce", "--per-position-loss-weight": "dpace", "--dpace-alpha": "0.3"}
+    assert {f: dfl[dfl.index(f) + 1] for f in want} == want and "--no-sliding-window-non-causal" in dfl
     assert eagle[eagle.index("--speculator-type") + 1] == "eagle3"  # the EAGLE-3 run's flags left as they were
     # --prompts held-out: each held-out row's ids up to its first loss token (the prompt the target saw)
     held_rows = list(speculators_prep.training_rows(capture, 5, held_out=True))

@@ -4,8 +4,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from trainer.head import Eagle3Head
-from trainer.ttt import (TTTObjective, row_argmax, shift_left, simulated_tau, step_loss, target_distribution,
-                         target_rows, ttt_attention, ttt_attention_mask, ttt_positions, ttt_unroll)
+from trainer.ttt import (TTTObjective, dpace_weights, position_losses, row_argmax, shift_left, simulated_tau,
+                         step_loss, target_distribution, target_rows, ttt_attention, ttt_attention_mask,
+                         ttt_positions, ttt_unroll)
 from trainer.ttt_flash import ttt_attention_flash
 
 # Step 3, T=6, hand-written: keys are step 0 (causal), then steps 1, 2, 3 (same position only).
@@ -120,11 +121,15 @@ def tiny_head(vocab=40, draft=24):
 
 
 def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay, loss_mean="padded",
-                   off_vocab="drop"):
-    """Position by position, step by step: each query's keys listed explicitly."""
+                   off_vocab="drop", hard=False, dpace=None):
+    """Position by position, step by step: each query's keys listed explicitly. dpace: each start position's
+    steps weighed by sum_{j>=s, counted} prod_{i<=j} ((1 - dpace) * p_i + dpace), p_i the draft's
+    probability of the target's top draft-vocab token at step i (1 where step i is not counted)."""
     b, t, _ = emb.shape
     attn = head.midlayer.self_attn
     total = 0.0
+    terms = {}  # (bi, i) -> {s: (loss, confidence)}
+    denoms = []
     h = head.fc(aux)
     ks, vs = [], []
     for s in range(steps):
@@ -149,12 +154,28 @@ def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay,
                 if j >= t or i + 2 + s >= t or not loss_mask[bi, i + 2 + s]:
                     continue
                 counted += 1
-                if off_vocab == "drop" and not head.t2d[target_am[bi, j]]:
-                    continue
                 lp = torch.log_softmax(logits[bi, i], -1)
-                loss_s = loss_s - (target_p[bi, j] * lp).sum()
-        total = total + decay ** s * loss_s / (b * t if loss_mean == "padded" else max(1, counted))
+                top = int(target_p[bi, j].argmax())
+                keep = off_vocab == "keep" or bool(head.t2d[target_am[bi, j]])
+                term = (-lp[top] if hard else -(target_p[bi, j] * lp).sum()) * keep
+                terms.setdefault((bi, i), {})[s] = (term, float(lp[top].detach().exp()))
+                loss_s = loss_s + term
+        denoms.append(b * t if loss_mean == "padded" else max(1, counted))
+        total = total + decay ** s * loss_s / denoms[-1]
         h = x
+    if dpace is None:
+        return total
+    total = 0.0
+    for chain in terms.values():
+        for s, (term, _) in chain.items():
+            w = 0.0
+            for j in range(s, steps):
+                if j in chain:
+                    prod = 1.0
+                    for i in range(j + 1):
+                        prod *= (1 - dpace) * chain[i][1] + dpace if i in chain else 1.0
+                    w += prod
+            total = total + w * term / denoms[s]
     return total
 
 
@@ -200,6 +221,41 @@ def test_loss_switches_equal_naive_loop(loss_mean, off_vocab):
     want = naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8, loss_mean, off_vocab)
     base = TTTObjective(head, steps, 0.8)(aux, emb, *targets, mask)["loss"].item()
     assert abs(got["loss"].item() - want.item()) < 1e-6 and abs(got["loss"].item() - base) > 1e-3
+
+
+@pytest.mark.parametrize("hard,dpace", [(True, None), (False, 0.5), (True, 0.3)])
+def test_hard_labels_and_dpace_equal_naive_loop(hard, dpace):
+    """model.labels: hard / model.position_weight: dpace against the position-by-position loss (counted and
+    dropped positions, a gap in the loss mask); each changes the loss."""
+    head = tiny_head()
+    torch.manual_seed(2)
+    b, t, steps = 2, 10, 3
+    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
+    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
+    p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1, 0, 0, 0]])
+    targets = compact_targets(tlogits, mask, head.t2d)
+    got = TTTObjective(head, steps, 0.8, loss_mean="counted", labels="hard" if hard else "soft",
+                       dpace_alpha=dpace)(aux, emb, *targets, mask)
+    want = naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8, "counted", hard=hard, dpace=dpace)
+    base = TTTObjective(head, steps, 0.8, loss_mean="counted")(aux, emb, *targets, mask)["loss"].item()
+    assert abs(got["loss"].item() - want.item()) < 1e-6 and abs(got["loss"].item() - base) > 1e-3
+
+
+def test_dpace_weights_and_position_losses_by_hand():
+    conf = torch.tensor([[0.5, 1.0, 0.0], [0.5, 1.0, 0.0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    # smoothed 0.75, 1, 0.5: running products 0.75, 0.75, 0.375; an uncounted slot adds 0 and weighs 0
+    assert torch.allclose(dpace_weights(conf, valid, 0.5), torch.tensor([[1.875, 1.125, 0.375], [1.5, 0.75, 0.0]]))
+    assert torch.equal(dpace_weights(conf, valid, 1.0), torch.tensor([[3.0, 2.0, 1.0], [2.0, 1.0, 0.0]]))
+    logits = torch.randn(4, 6, dtype=torch.float64)
+    p = torch.softmax(torch.randn(4, 6, dtype=torch.float64) * 2, -1)
+    w = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    soft, conf = position_losses(logits, p, w)
+    hard, _ = position_losses(logits, p, w, hard=True)
+    torch.testing.assert_close(soft.sum() / 9, step_loss(logits, p, w, 9))
+    torch.testing.assert_close(hard, w * torch.nn.functional.cross_entropy(logits, p.argmax(-1), reduction="none"))
+    torch.testing.assert_close(conf, torch.softmax(logits, -1).gather(1, p.argmax(-1)[:, None]).squeeze(1))
 
 
 def test_aux_noise_scales_per_state_and_stays_out_of_evaluation():

@@ -116,7 +116,9 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
         m = cfg.model
         entry["dflash"] = {"block_size": m.block_size, "num_layers": m.layers, "decay_gamma": m.decay_gamma,
                            "lr": cfg.optim.lr, "anchors": m.anchors, "mask_token_id": json.loads(
-                               (head / "config.json").read_text())["dflash_config"]["mask_token_id"]}
+                               (head / "config.json").read_text())["dflash_config"]["mask_token_id"],
+                           "labels": m.labels, "position_weight": m.position_weight,
+                           "dpace_alpha": m.dpace_alpha, "block_causal": m.block_causal}
     if (run_dir / "report.json").is_file():
         report = json.loads((run_dir / "report.json").read_text())
         # loop_s: the epochs' reading and steps, as speculators' epoch bars time them; fit_s: Ray Train's
@@ -156,15 +158,22 @@ def speculators_runs(args, prep: Path, tokens_per_step: int) -> dict[str, list[s
 def speculators_dflash_flags(eagle_flags: list[str], dflash: dict, tokens_per_step: int,
                              anchors_per_step: int) -> list[str]:
     """speculators' DFlash (`--speculator-type dflash`) aligned to one of our DFlash runs: its block size,
-    layers, slot decay, mask token and learning rate, on the same rows, vocabulary and epochs as its EAGLE-3
+    layers, slot decay, mask token, learning rate, labels (`ce` = hard, `kl_div` = soft), slot weights
+    (D-PACE or the fixed decay) and block causality, on the same rows, vocabulary and epochs as its EAGLE-3
     runs (eagle_flags: speculators_runs' defaults run), packed to that run's tokens per step, with as many
-    anchor blocks a step as ours drew (its default, 512 a pack, would give it more)."""
+    anchor blocks a step as ours drew (its default, 512 a pack, would give it more). Its defaults differ
+    from ours in the last three (hard labels, D-PACE, a causal block). Soft labels with D-PACE: it refuses."""
     flags = list(eagle_flags)
     flags[flags.index("--speculator-type") + 1] = "dflash"
     flags[flags.index("--total-seq-len") + 1] = str(tokens_per_step)
+    dpace = dflash.get("position_weight") == "dpace"
     return flags + ["--block-size", str(dflash["block_size"]), "--num-layers", str(dflash["num_layers"]),
                     "--dflash-decay-gamma", str(dflash["decay_gamma"]), "--mask-token-id", str(dflash["mask_token_id"]),
-                    "--lr", str(dflash["lr"]), "--optimizer", "adamw", "--max-anchors", str(anchors_per_step)]
+                    "--lr", str(dflash["lr"]), "--optimizer", "adamw", "--max-anchors", str(anchors_per_step),
+                    "--loss-fn", "ce" if dflash.get("labels") == "hard" else "kl_div",
+                    "--per-position-loss-weight", "dpace" if dpace else "fixed-exp-decay",
+                    "--dpace-alpha", str(dflash.get("dpace_alpha", 0.5)),
+                    "--no-sliding-window-non-causal" if dflash.get("block_causal") else "--sliding-window-non-causal"]
 
 
 def train_speculators(name: str, flags: list[str], prep: Path, out: Path) -> dict:

@@ -95,6 +95,13 @@ class Model(StrictModel):
     # Gaussian noise on the aux states while training (not in evaluation): std relative to each state's RMS
     # per position (EAGLE's feature noise, for a head that must read states of prompts it never saw).
     aux_noise: float = Field(0.0, ge=0, le=1)
+    # Both kinds: what each step or slot learns ("soft": the target's distribution over the draft vocab;
+    # "hard": its argmax, speculators' DFlash `ce`), and how steps or slots weigh ("decay": decay ** s for
+    # EAGLE-3, exp(-(k - 1) / decay_gamma) for DFlash; "dpace": D-PACE, each chain's steps weighed by how
+    # much they move its expected accepted length, speculators' DFlash default; trainer/ttt.py dpace_weights).
+    labels: Literal["soft", "hard"] = "soft"
+    position_weight: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: float = Field(0.5, gt=0, le=1)  # D-PACE's confidence smoothing: (1 - alpha) * p + alpha
     # DFlash: draft layers, block size (anchor + masks: block_size - 1 tokens drafted per forward), the
     # mask slots' token (None: trainer/dflash.py default_mask_token), anchor blocks drawn per row, and
     # the slots' loss decay exp(-(k - 1) / gamma) (None: no decay).

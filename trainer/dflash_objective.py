@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from trainer.ttt import row_argmax, step_loss
+from trainer.ttt import dpace_weights, position_losses, row_argmax
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -92,10 +92,14 @@ class DFlashObjective(nn.Module):
     forward signature and outputs: per-slot loss and the accepted-prefix counts as `step_*` (StepSums)."""
 
     def __init__(self, head: nn.Module, mask_embedding: torch.Tensor, anchors: int, decay_gamma: float | None,
-                 off_vocab: str = "drop", eval_seed: int = 0):
+                 off_vocab: str = "drop", eval_seed: int = 0, labels: str = "soft", dpace_alpha: float | None = None):
+        """labels: "soft" (the target's distribution) or "hard" (its argmax); dpace_alpha: each block's slots
+        weighed by trainer/ttt.py `dpace_weights` over the counted slots' mean (speculators' DFlash default,
+        with hard labels) in place of the fixed decay."""
         super().__init__()
         self.head, self.anchors, self.block = head, anchors, head.config.block_size
         self.keep_off_vocab, self.eval_seed = off_vocab == "keep", eval_seed
+        self.hard, self.dpace_alpha = labels == "hard", dpace_alpha
         self.weights = slot_weights(self.block, decay_gamma)
         self.register_buffer("mask_embedding", mask_embedding.detach().clone(), persistent=False)
 
@@ -120,8 +124,8 @@ class DFlashObjective(nn.Module):
         rows, valid = block_labels(anchors, keep, target_row, bs)
         out = out.view(b, n, bs, -1)[:, :, 1:]
         correct = torch.zeros_like(valid)
-        total, norm = aux.new_zeros((), dtype=torch.float32), 0.0
-        losses = []
+        conf = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        elems, losses = [], []
         for k in range(bs - 1):
             sel = valid[:, :, k]
             logits = self.head.logits(out[:, :, k][sel])
@@ -129,14 +133,22 @@ class DFlashObjective(nn.Module):
             am = target_argmax[r]
             weight = (torch.ones_like(am, dtype=logits.dtype) if self.keep_off_vocab
                       else self.head.t2d[am].to(logits.dtype))
-            count = max(1, int(sel.sum()))
-            loss = step_loss(logits, target_p[r], weight, count)  # the slot's mean over its counted rows
-            total = total + self.weights[k] * loss * count
-            norm += self.weights[k] * count
-            losses.append(loss.detach())
+            elem, conf[:, :, k][sel] = position_losses(logits, target_p[r], weight, self.hard)
+            elems.append(elem)
+            losses.append(elem.detach().sum() / max(1, int(sel.sum())))  # the slot's mean over its counted rows
             with torch.no_grad():
                 ids = row_argmax(logits)
                 correct[:, :, k][sel] = (ids + self.head.d2t[ids]) == am
         run, reached = accepted_prefix(correct, valid)
-        return {"loss": total / max(norm, 1e-9), "step_loss": torch.stack(losses),
+        return {"loss": self._total(elems, conf, valid), "step_loss": torch.stack(losses),
                 "step_correct": run.flatten(0, 1).sum(0).float(), "step_count": reached.flatten(0, 1).sum(0).float()}
+
+    def _total(self, elems: list[torch.Tensor], conf: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The fixed decay: sum_k w_k * (slot k's loss sum) / sum_k w_k * (its count). D-PACE: each counted
+        slot's loss times its block's `dpace_weights`, over the number of counted slots."""
+        if self.dpace_alpha is None:
+            num = sum(w * e.sum() for w, e in zip(self.weights, elems))
+            return num / max(sum(w * max(1, len(e)) for w, e in zip(self.weights, elems)), 1e-9)
+        w = dpace_weights(conf, valid, self.dpace_alpha)
+        num = sum((w[:, :, k][valid[:, :, k]].to(e.dtype) * e).sum() for k, e in enumerate(elems))
+        return num / max(int(valid.sum()), 1)

@@ -94,11 +94,12 @@ class HeadTrainer:
 
     def _objective(self, head):
         m = self.cfg.model
+        dpace = m.dpace_alpha if m.position_weight == "dpace" else None
         if m.kind == "dflash":
             mask = self.target.embed(torch.tensor([head.config.mask_token_id], device=self.device))[0]
-            return DFlashObjective(head, mask, m.anchors, m.decay_gamma, m.off_vocab, self.cfg.seed)
+            return DFlashObjective(head, mask, m.anchors, m.decay_gamma, m.off_vocab, self.cfg.seed, m.labels, dpace)
         return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.loss_mean, m.off_vocab,
-                            m.aux_noise)
+                            m.aux_noise, m.labels, dpace)
 
     def _engine(self, objective):
         import deepspeed

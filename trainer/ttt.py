@@ -88,6 +88,29 @@ def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.
     return -(weight * (target_p * logp).sum(-1)).sum() / positions
 
 
+def position_losses(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor, hard: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per counted row: (weight x cross-entropy against the target's distribution over the draft vocab, or
+    with hard=True against its argmax alone (speculators' DFlash `ce`); the draft's probability of that
+    argmax, detached: the row's chance of acceptance, which D-PACE weighs by)."""
+    logp = torch.log_softmax(_wide(draft_logits), dim=-1)
+    lp_top = logp.gather(-1, row_argmax(target_p)[:, None]).squeeze(-1)
+    ce = -lp_top if hard else -(target_p * logp).sum(-1)
+    return weight * ce, lp_top.detach().exp()
+
+
+def dpace_weights(conf: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights over chains [M, K] (a DFlash block's slots, or one start position's TTT
+    steps): the derivative of the expected accepted length sum_j prod_{i<=j} c_i with respect to log c_k,
+    on smoothed confidences c = (1 - alpha) * conf + alpha (1 where a slot is not counted):
+    w_k = valid_k * sum_{j>=k} valid_j * prod_{i<=j} c_i. Slot 1 weighs most; later slots gain weight as
+    the earlier ones become reliable. No gradient flows through it."""
+    v = valid.to(conf.dtype)
+    c = torch.where(valid, (1 - alpha) * conf.detach() + alpha, torch.ones_like(conf))
+    run = torch.cumprod(c, dim=-1) * v
+    return run.flip(-1).cumsum(-1).flip(-1) * v
+
+
 def step_correct(draft_logits: torch.Tensor, d2t: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
     """Per position: draft argmax mapped to target ids equals the target's argmax."""
     draft_ids = row_argmax(draft_logits)
@@ -174,15 +197,19 @@ class TTTObjective(nn.Module):
     inside the sequence): prompt, padding and the tail past the sequence cost no vocab-sized work."""
 
     def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
-                 compile: bool = False, loss_mean: str = "padded", off_vocab: str = "drop", aux_noise: float = 0.0):
+                 compile: bool = False, loss_mean: str = "padded", off_vocab: str = "drop", aux_noise: float = 0.0,
+                 labels: str = "soft", dpace_alpha: float | None = None):
         """loss_mean: "padded" divides each step's loss sum by every position of the batch (padding and
         prompt included), "counted" by the positions that step counts (each step a mean, every batch the
         same weight: speculators'). off_vocab: where the target's argmax is outside the draft vocabulary,
         "drop" the position from the loss, or "keep" it (the target's distribution over the draft vocab).
-        aux_noise: `noisy_aux`'s relative std, in training mode only."""
+        aux_noise: `noisy_aux`'s relative std, in training mode only. labels: "soft" (the target's
+        distribution) or "hard" (its argmax). dpace_alpha: weigh each position's steps by `dpace_weights`
+        (each start position a chain of ttt_length steps) in place of decay ** s."""
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
         self.loss_mean, self.keep_off_vocab, self.aux_noise = loss_mean, off_vocab == "keep", aux_noise
+        self.hard, self.dpace_alpha = labels == "hard", dpace_alpha
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self.step_loss = step_loss
         if compile:
@@ -211,7 +238,7 @@ class TTTObjective(nn.Module):
         if self.training and self.aux_noise:
             aux = noisy_aux(aux, self.aux_noise)
         positions = loss_mask.numel()
-        losses, correct, counted = [], [], []
+        losses, correct, counted, parts = [], [], [], []
         for s, x in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length, self.flash)):
             sel = shift_left(loss_mask, 2 + s).flatten().nonzero().squeeze(1)
             rows = shift_left(target_row, 1 + s, fill=-1).flatten()[sel]
@@ -219,15 +246,33 @@ class TTTObjective(nn.Module):
             tgt_am = target_argmax[rows]
             weight = (torch.ones_like(tgt_am, dtype=logits.dtype) if self.keep_off_vocab
                       else self.head.t2d[tgt_am].to(logits.dtype))
-            loss = self.step_loss(logits, target_p[rows], weight,
-                                  positions if self.loss_mean == "padded" else max(1, len(sel)))
-            total = total + self.weights[s] * loss
+            denom = positions if self.loss_mean == "padded" else max(1, len(sel))
+            if self.hard or self.dpace_alpha is not None:
+                elem, conf = position_losses(logits, target_p[rows], weight, self.hard)
+                loss = elem.sum() / denom
+                parts.append((sel, elem, conf, denom))
+            else:
+                loss = self.step_loss(logits, target_p[rows], weight, denom)
+            if self.dpace_alpha is None:
+                total = total + self.weights[s] * loss
             losses.append(loss.detach())
             with torch.no_grad():
                 correct.append(step_correct(logits, self.head.d2t, tgt_am).sum())
                 counted.append(torch.tensor(float(len(sel)), device=sel.device))
+        if self.dpace_alpha is not None:
+            total = total + self._dpace_total(parts, positions)
         return {"loss": total, "step_loss": torch.stack(losses), "step_correct": torch.stack(correct).float(),
                 "step_count": torch.stack(counted).float()}
+
+    def _dpace_total(self, parts: list, positions: int) -> torch.Tensor:
+        """sum over steps s of sum_rows w[row, s] * loss / the step's denominator, where each start position
+        (flat row) is a chain over the steps and w its `dpace_weights` (zero where a step does not count)."""
+        conf = parts[0][2].new_zeros((positions, len(parts)))
+        valid = torch.zeros(conf.shape, dtype=torch.bool, device=conf.device)
+        for s, (sel, _, c, _) in enumerate(parts):
+            conf[sel, s], valid[sel, s] = c.to(conf.dtype), True
+        w = dpace_weights(conf, valid, self.dpace_alpha)
+        return sum((w[sel, s].to(elem.dtype) * elem).sum() / denom for s, (sel, elem, _, denom) in enumerate(parts))
 
 
 def _add_head_prefix(state: dict, prefix: str, *_args) -> None:
