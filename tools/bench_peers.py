@@ -242,8 +242,9 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--capture", type=Path, required=True, help="a capture folder: shards, manifest, draft vocab")
     ap.add_argument("--peers", default="speculators", help="comma-separated: speculators, specforge ('' for ours only)")
-    ap.add_argument("--peer-runs", choices=["both", "defaults", "aligned"], default="both",
-                    help="each peer with its own defaults, aligned to ours, or both (the default)")
+    ap.add_argument("--peer-runs", choices=["both", "defaults", "aligned", "dflash"], default="both",
+                    help="each peer's EAGLE-3 with its own defaults, aligned to ours, or both (the default); "
+                         "dflash: none of those, only speculators' DFlash beside each DFlash run of ours")
     ap.add_argument("--ours-config", type=Path, default=ROOT / "configs/trainer/demo.yaml")
     ap.add_argument("--ours", action="append", default=[], metavar="NAME:key=value,...",
                     help="another run of our trainer with these overrides (repeatable)")
@@ -290,7 +291,8 @@ def main(argv=None) -> dict:
         per_step = tokens_per_step(entries["eagleray"], args.capture, ours_cfg.data.val_rows, args.epochs)
         runs = speculators_runs(args, prep, per_step)
         for name, flags in runs.items():
-            if args.peer_runs == "both" or name.endswith("_aligned") == (args.peer_runs == "aligned"):
+            if args.peer_runs == "both" or args.peer_runs != "dflash" and \
+                    name.endswith("_aligned") == (args.peer_runs == "aligned"):
                 entries[name] = train_speculators(name, flags, prep, args.out)
         for name, e in [(n, e) for n, e in entries.items() if "dflash" in e]:  # each DFlash run of ours
             steps = tokens_per_step(e, args.capture, ours_cfg.data.val_rows, args.epochs)
@@ -301,7 +303,8 @@ def main(argv=None) -> dict:
     if "specforge" in peers:
         per_row = specforge_bench.rows_per_step(entries["eagleray"], prep, args.epochs)
         for name, overrides in specforge_bench.runs(ours_cfg, per_row, args.epochs, args.seed).items():
-            if args.peer_runs == "both" or name.endswith("_aligned") == (args.peer_runs == "aligned"):
+            if args.peer_runs == "both" or args.peer_runs != "dflash" and \
+                    name.endswith("_aligned") == (args.peer_runs == "aligned"):
                 entries[name] = specforge_bench.train(name, overrides, prep, args.target, args.out, peak_rss_run)
     unknown = [p for p in peers if p not in ("speculators", "specforge")]
     for p in unknown:
