@@ -261,6 +261,9 @@ def parse(argv) -> argparse.Namespace:
                     "default: each trainer's own (ours 0, speculators 42)")
     ap.add_argument("--no-default", action="store_true",
                     help="skip the run of our default recipe (ablations of --ours runs; only with --peers '')")
+    ap.add_argument("--judge", action="append", default=[], metavar="NAME=HEAD_DIR",
+                    help="judge these exported heads only (repeatable), e.g. an earlier run's on other prompts: "
+                         "no training")
     return ap.parse_args(argv)
 
 
@@ -278,6 +281,13 @@ def main(argv=None) -> dict:
         texts = prompt_file(args.prompts) if args.prompts else default_prompts(None, 4 * args.n)
         all_prompts = [chat_ids(tok, t) for t in texts]
     prompts = [p for p in all_prompts if len(p) <= args.max_prompt_tokens][: args.n]
+    if args.judge:
+        heads = dict((n, Path(d)) for n, _, d in (j.partition("=") for j in args.judge))
+        result = {"heads": judge(args, heads, prompts, args.out), "prompts": str(args.prompts or "data/"),
+                  "n": len(prompts)}
+        (args.out / "result.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result))
+        return result
     if args.no_default and args.peers:
         raise SystemExit("--no-default: only with --peers '' (the peers' budgets follow our default run)")
     entries: dict[str, dict] = {} if args.no_default else {"eagleray": train_ours("eagleray", args, [], args.out)}
