@@ -98,9 +98,12 @@ class Model(StrictModel):
     # Both kinds: what each step or slot learns ("soft": the target's distribution over the draft vocab;
     # "hard": its argmax, speculators' DFlash `ce`), and how steps or slots weigh ("decay": decay ** s for
     # EAGLE-3, exp(-(k - 1) / decay_gamma) for DFlash; "dpace": D-PACE, each chain's steps weighed by how
-    # much they move its expected accepted length, speculators' DFlash default; trainer/ttt.py dpace_weights).
-    labels: Literal["soft", "hard"] = "soft"
-    position_weight: Literal["decay", "dpace"] = "decay"
+    # much they move its expected accepted length; trainer/ttt.py dpace_weights). Defaults: soft and decay
+    # for eagle3 (neither switch gained on the demo target), hard and dpace for dflash (speculators' DFlash
+    # default; SmolLM2 vLLM tau +5%, the demo's held-out prompts +4-10% at two seeds: docs/MEASUREMENTS.md
+    # "speculators' DFlash loss").
+    labels: Literal["soft", "hard"] | None = None
+    position_weight: Literal["decay", "dpace"] | None = None
     dpace_alpha: float = Field(0.5, gt=0, le=1)  # D-PACE's confidence smoothing: (1 - alpha) * p + alpha
     # DFlash: draft layers, block size (anchor + masks: block_size - 1 tokens drafted per forward), the
     # mask slots' token (None: trainer/dflash.py default_mask_token), anchor blocks drawn per row, and
@@ -125,6 +128,13 @@ class Model(StrictModel):
     def head_options(self) -> dict[str, bool]:
         from trainer.head import HEAD_OPTIONS
         return {k: getattr(self, k) for k in HEAD_OPTIONS}
+
+    @model_validator(mode="after")
+    def _loss_of_kind(self):
+        dflash = self.kind == "dflash"
+        self.labels = self.labels or ("hard" if dflash else "soft")
+        self.position_weight = self.position_weight or ("dpace" if dflash else "decay")
+        return self
 
     @model_validator(mode="after")
     def _one_aux_norm(self):
