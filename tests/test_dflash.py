@@ -105,7 +105,10 @@ def test_training_block_is_the_decoding_block(causal):
         torch.testing.assert_close(got, train_logits[n], rtol=1e-9, atol=1e-9)
 
 
-def test_objective_learns_a_fixed_batch():
+@pytest.mark.parametrize("labels,dpace", [("soft", None), ("hard", 0.5)])
+def test_objective_learns_a_fixed_batch(labels, dpace):
+    """The soft loss with the fixed decay, and hard labels with D-PACE slot weights (DFlash's default, which
+    scores the batch differently) both fit a fixed batch."""
     head = dflash_head(small_cfg()).float()
     gen = torch.Generator().manual_seed(1)
     b, t = 2, 40
@@ -117,7 +120,14 @@ def test_objective_learns_a_fixed_batch():
     n = int(need.sum())
     target_logits = 4 * torch.randn(n, VOCAB, generator=gen)
     p, am = torch.softmax(target_logits, -1), target_logits.argmax(-1)
-    obj = DFlashObjective(head, torch.randn(64, generator=gen), anchors=16, decay_gamma=4.0)
+    obj = DFlashObjective(head, torch.randn(64, generator=gen), anchors=16, decay_gamma=4.0, labels=labels,
+                          dpace_alpha=dpace)
+    if dpace:
+        base = DFlashObjective(head, obj.mask_embedding, anchors=16, decay_gamma=4.0).eval()
+        with torch.no_grad():
+            assert abs(float(obj.eval()(aux, emb, p, am, row, mask)["loss"]) -
+                       float(base(aux, emb, p, am, row, mask)["loss"])) > 0.1
+        obj.train()
     opt = torch.optim.Adam(obj.parameters(), lr=3e-3)
     first = None
     for _ in range(60):
@@ -134,42 +144,13 @@ def test_objective_learns_a_fixed_batch():
     assert float(out["step_correct"][0]) / float(out["step_count"][0]) > 0.8
 
 
-def test_hard_labels_and_dpace_learn_a_fixed_batch_and_weigh_by_hand():
-    """model.labels: hard with model.position_weight: dpace (speculators' DFlash default) trains; the D-PACE
-    total by hand on two blocks of three slots (the second block's last slot past its row)."""
-    head = dflash_head(small_cfg()).float()
-    gen = torch.Generator().manual_seed(1)
-    b, t = 2, 40
-    aux, emb = torch.randn(b, t, 192, generator=gen), torch.randn(b, t, 64, generator=gen)
-    mask = torch.ones(b, t, dtype=torch.long)
-    mask[:, :5] = 0
-    need, row = target_rows(mask)
-    target_logits = 4 * torch.randn(int(need.sum()), VOCAB, generator=gen)
-    p, am = torch.softmax(target_logits, -1), target_logits.argmax(-1)
-    obj = DFlashObjective(head, torch.randn(64, generator=gen), anchors=16, decay_gamma=4.0, labels="hard",
-                          dpace_alpha=0.5)
-    base = DFlashObjective(head, obj.mask_embedding, anchors=16, decay_gamma=4.0).eval()
-    obj.eval()
-    with torch.no_grad():
-        assert abs(float(obj(aux, emb, p, am, row, mask)["loss"]) - float(base(aux, emb, p, am, row, mask)["loss"])) > 0.1
-    obj.train()
-    opt = torch.optim.Adam(obj.parameters(), lr=3e-3)
-    first = None
-    for _ in range(60):
-        out = obj(aux, emb, p, am, row, mask)
-        first = first if first is not None else float(out["loss"].detach())
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-    obj.eval()
-    with torch.no_grad():
-        out = obj(aux, emb, p, am, row, mask)
-    assert float(out["loss"]) < 0.5 * first
-    assert float(out["step_correct"][0]) / float(out["step_count"][0]) > 0.8
+def test_dpace_total_by_hand():
+    """Two blocks of three slots, the second block's last slot past its row: each counted slot's loss times
+    its D-PACE weight (test_ttt's by hand: 1.875, 1.125, 0.375 and 1.5, 0.75, 0) over the 5 counted slots."""
+    obj = DFlashObjective(dflash_head(small_cfg()), torch.zeros(64), anchors=2, decay_gamma=4.0, dpace_alpha=0.5)
     elems = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0])]
     valid = torch.tensor([[[True, True, True], [True, True, False]]])
     conf = torch.tensor([[[0.5, 1.0, 0.0], [0.5, 1.0, 0.0]]])
-    # weights (test_ttt's by hand): block 0 1.875, 1.125, 0.375; block 1 1.5, 0.75, 0; over 5 counted slots
     want = (1.875 * 1 + 1.5 * 2 + 1.125 * 3 + 0.75 * 4 + 0.375 * 5) / 5
     assert abs(float(obj._total(elems, conf, valid)) - want) < 1e-6
 

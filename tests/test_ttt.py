@@ -205,28 +205,12 @@ def test_batched_loss_equals_naive_loop():
     assert torch.isclose(step_loss(lg, pr, w, 7), -(w * (pr * torch.log_softmax(lg, -1)).sum(-1)).sum() / 7)
 
 
-@pytest.mark.parametrize("loss_mean,off_vocab", [("counted", "drop"), ("padded", "keep"), ("counted", "keep")])
-def test_loss_switches_equal_naive_loop(loss_mean, off_vocab):
-    """model.loss_mean / model.off_vocab against the position-by-position loss; each changes the loss."""
-    head = tiny_head()
-    torch.manual_seed(1)
-    b, t, steps = 2, 9, 3
-    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
-    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
-    p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 0, 0, 0]])
-    assert not head.t2d[am[mask.bool()]].all()  # some counted targets lie outside the draft vocab
-    targets = compact_targets(tlogits, mask, head.t2d)
-    got = TTTObjective(head, steps, 0.8, loss_mean=loss_mean, off_vocab=off_vocab)(aux, emb, *targets, mask)
-    want = naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8, loss_mean, off_vocab)
-    base = TTTObjective(head, steps, 0.8)(aux, emb, *targets, mask)["loss"].item()
-    assert abs(got["loss"].item() - want.item()) < 1e-6 and abs(got["loss"].item() - base) > 1e-3
-
-
-@pytest.mark.parametrize("hard,dpace", [(True, None), (False, 0.5), (True, 0.3)])
-def test_hard_labels_and_dpace_equal_naive_loop(hard, dpace):
-    """model.labels: hard / model.position_weight: dpace against the position-by-position loss (counted and
-    dropped positions, a gap in the loss mask); each changes the loss."""
+@pytest.mark.parametrize("loss_mean,off_vocab,labels,dpace", [
+    ("counted", "drop", "soft", None), ("padded", "keep", "soft", None), ("counted", "keep", "soft", None),
+    ("counted", "drop", "hard", None), ("counted", "drop", "soft", 0.5), ("padded", "keep", "hard", 0.3)])
+def test_loss_switches_equal_naive_loop(loss_mean, off_vocab, labels, dpace):
+    """model.loss_mean / off_vocab / labels / position_weight: dpace against the position-by-position loss
+    (counted and dropped positions, a gap in the loss mask); each changes the loss."""
     head = tiny_head()
     torch.manual_seed(2)
     b, t, steps = 2, 10, 3
@@ -234,11 +218,12 @@ def test_hard_labels_and_dpace_equal_naive_loop(hard, dpace):
     tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
     p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1, 0, 0, 0]])
+    assert not head.t2d[am[mask.bool()]].all()  # some counted targets lie outside the draft vocab
     targets = compact_targets(tlogits, mask, head.t2d)
-    got = TTTObjective(head, steps, 0.8, loss_mean="counted", labels="hard" if hard else "soft",
+    got = TTTObjective(head, steps, 0.8, loss_mean=loss_mean, off_vocab=off_vocab, labels=labels,
                        dpace_alpha=dpace)(aux, emb, *targets, mask)
-    want = naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8, "counted", hard=hard, dpace=dpace)
-    base = TTTObjective(head, steps, 0.8, loss_mean="counted")(aux, emb, *targets, mask)["loss"].item()
+    want = naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8, loss_mean, off_vocab, labels == "hard", dpace)
+    base = TTTObjective(head, steps, 0.8)(aux, emb, *targets, mask)["loss"].item()
     assert abs(got["loss"].item() - want.item()) < 1e-6 and abs(got["loss"].item() - base) > 1e-3
 
 
