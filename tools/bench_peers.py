@@ -155,6 +155,11 @@ def speculators_runs(args, prep: Path, tokens_per_step: int) -> dict[str, list[s
     return {"speculators": common, "speculators_aligned": common + aligned}
 
 
+def peer_run_wanted(which: str, name: str) -> bool:
+    """--peer-runs: a peer's EAGLE-3 run `name` (its defaults, or `*_aligned`) is trained or not."""
+    return which == "both" or which != "dflash" and name.endswith("_aligned") == (which == "aligned")
+
+
 def speculators_dflash_flags(eagle_flags: list[str], dflash: dict, tokens_per_step: int,
                              anchors_per_step: int) -> list[str]:
     """speculators' DFlash (`--speculator-type dflash`) aligned to one of our DFlash runs: its block size,
@@ -301,8 +306,7 @@ def main(argv=None) -> dict:
         per_step = tokens_per_step(entries["eagleray"], args.capture, ours_cfg.data.val_rows, args.epochs)
         runs = speculators_runs(args, prep, per_step)
         for name, flags in runs.items():
-            if args.peer_runs == "both" or args.peer_runs != "dflash" and \
-                    name.endswith("_aligned") == (args.peer_runs == "aligned"):
+            if peer_run_wanted(args.peer_runs, name):
                 entries[name] = train_speculators(name, flags, prep, args.out)
         for name, e in [(n, e) for n, e in entries.items() if "dflash" in e]:  # each DFlash run of ours
             steps = tokens_per_step(e, args.capture, ours_cfg.data.val_rows, args.epochs)
@@ -313,8 +317,7 @@ def main(argv=None) -> dict:
     if "specforge" in peers:
         per_row = specforge_bench.rows_per_step(entries["eagleray"], prep, args.epochs)
         for name, overrides in specforge_bench.runs(ours_cfg, per_row, args.epochs, args.seed).items():
-            if args.peer_runs == "both" or args.peer_runs != "dflash" and \
-                    name.endswith("_aligned") == (args.peer_runs == "aligned"):
+            if peer_run_wanted(args.peer_runs, name):
                 entries[name] = specforge_bench.train(name, overrides, prep, args.target, args.out, peak_rss_run)
     unknown = [p for p in peers if p not in ("speculators", "specforge")]
     for p in unknown:

@@ -84,16 +84,18 @@ def target_distribution(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple
 def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor, positions: int) -> torch.Tensor:
     """-sum_rows weight * sum_v p * log_softmax(draft) / positions (ARCHITECTURE.md §5): rows are the
     counted positions only; dividing by all B*T positions keeps the dense formula's scale."""
-    logp = torch.log_softmax(_wide(draft_logits), dim=-1)
-    return -(weight * (target_p * logp).sum(-1)).sum() / positions
+    return position_losses(draft_logits, target_p, weight, confidence=False)[0].sum() / positions
 
 
-def position_losses(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor, hard: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def position_losses(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor, hard: bool = False,
+                    confidence: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per counted row: (weight x cross-entropy against the target's distribution over the draft vocab, or
     with hard=True against its argmax alone (speculators' DFlash `ce`); the draft's probability of that
-    argmax, detached: the row's chance of acceptance, which D-PACE weighs by)."""
+    argmax, detached: the row's chance of acceptance, which D-PACE weighs by; None without `confidence`,
+    which skips the argmax on the soft loss's hot path)."""
     logp = torch.log_softmax(_wide(draft_logits), dim=-1)
+    if not (hard or confidence):
+        return weight * -(target_p * logp).sum(-1), None
     lp_top = logp.gather(-1, row_argmax(target_p)[:, None]).squeeze(-1)
     ce = -lp_top if hard else -(target_p * logp).sum(-1)
     return weight * ce, lp_top.detach().exp()
