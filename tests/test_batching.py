@@ -212,6 +212,9 @@ def test_faster_rank_gets_more_work_each_step():
     assert speed_shares([2.0, 1.0]) == [1.333, 0.667]
     assert speed_shares([1.0, 1.005]) is None and speed_shares([1.0, None]) is None
     assert speed_shares([10.0, 1.0, 1.0]) == [2.0, 0.5, 0.5]  # clamped
+    assert speed_shares([1.0, 5.47]) == [0.5, 1.5]  # clamped, mean kept 1 (a CI run saw [0.5, 1.691])
+    assert speed_shares([1.0, 1.0, 9.0]) == [0.5, 0.5, 2.0]
+    assert speed_shares([1.0, 2.0, 30.0, 1.0]) == [0.5, 1.0, 2.0, 0.5]  # the unclipped rank takes up the slack
 
 
 class ThreadPeers:

@@ -205,12 +205,20 @@ def weigh_step(batches: list[list[int]], speeds: list[float], lengths: list[int]
 def speed_shares(rates: list[float | None], deadband: float = 0.01, clamp: float = 2.0) -> list[float] | None:
     """Pure: the ranks' measured rates (work per second; None: not measured yet) -> relative speeds with
     mean 1, rounded to 3 decimals so a checkpoint replays them exactly; None (plan equal work) when any rank
-    has no rate or they differ by less than `deadband`. Each is kept within [1/clamp, clamp] of the mean:
-    one stalled measurement must not hand a rank a tiny batch for a whole pool."""
+    has no rate or they differ by less than `deadband`. Shares are proportional to the rates, each clipped
+    to [1/clamp, clamp], at the scale that keeps their mean 1: one stalled measurement must not hand a
+    rank a tiny batch for a whole pool, nor change the total work planned."""
     if not rates or any(r is None or r <= 0 for r in rates):
         return None
-    mean = sum(rates) / len(rates)
-    rel = [min(clamp, max(1 / clamp, r / mean)) for r in rates]
+
+    def shares(a: float) -> list[float]:
+        return [min(clamp, max(1 / clamp, a * r)) for r in rates]
+
+    lo, hi = 1 / (clamp * max(rates)), clamp / min(rates)  # all at the lower bound .. all at the upper
+    for _ in range(100):  # the mean of the clipped shares rises with the scale a: bisect for mean 1
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if sum(shares(mid)) < len(rates) else (lo, mid)
+    rel = shares((lo * hi) ** 0.5)
     if max(rel) / min(rel) < 1 + deadband:
         return None
     return [round(r, 3) for r in rel]
