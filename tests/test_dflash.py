@@ -297,7 +297,7 @@ def test_sampling_with_a_dflash_tree_keeps_the_target_distribution():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_layers_init_copies_the_targets_last_layers(tmp_path, tiny_target, arch):
     """model.layers_init: target: the DFlash layers start as the target's last layers and its final norm
-    (q/k norms too where the target has them, at one where it has none); refused for EAGLE-3."""
+    (q/k norms too where the target has them, at one where it has none); an EAGLE-3 layer from the last one."""
     from trainer.config import Model
     from trainer.warm_start import run_head_config, starting_head
 
@@ -319,5 +319,15 @@ def test_layers_init_copies_the_targets_last_layers(tmp_path, tiny_target, arch)
     assert torch.equal(head.norm.weight, model.model.norm.weight)
     fresh = starting_head(Model(kind="dflash", num_layers=2), hcfg, d2t, t2d, model.lm_head.weight.detach(), n)
     assert not torch.equal(fresh.layers[1].mlp.up_proj.weight, model.model.layers[n - 1].mlp.up_proj.weight)
-    with pytest.raises(ValueError, match="layers_init: target is for kind: dflash"):
-        Model(layers_init="target")
+    # EAGLE-3: the one layer from the target's last; q/k/v's hidden half is the target's, its embedding half 0
+    m3 = Model(layers_init="target")
+    h3 = starting_head(m3, run_head_config(m3, model.config, VOCAB, emb), d2t, t2d, model.lm_head.weight.detach(),
+                       n, target)
+    last, h = model.model.layers[n - 1], model.config.hidden_size
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"):
+        assert torch.equal(h3.midlayer.get_parameter(name), last.get_parameter(name)), name
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(h3.midlayer.self_attn, name).weight
+        assert torch.equal(w[:, h:], getattr(last.self_attn, name).weight) and not w[:, :h].any(), name
+    assert torch.equal(h3.midlayer.hidden_norm.weight, last.input_layernorm.weight)
+    assert torch.equal(h3.norm.weight, model.model.norm.weight)

@@ -59,11 +59,13 @@ def test_zero_stages_train_on_two_workers(stage, dtype, balance, tmp_path, ray_c
 
 
 def test_resume_is_exact(tmp_path, ray_cluster, pipeline_run, tiny_target):
+    """Under DeepSpeed's Muon (optim.name: muon), whose momentum buffers the checkpoint must carry too."""
     from trainer.driver import run_training
 
     one = dict(**{"scaling.num_workers": 1, "scaling.cpus_per_worker": 1, "max_steps": 10, "epochs": 3,
                   "checkpoint_every": 5, "eval_every": 100, "data.max_tokens_per_batch": 4096,
-                  "data.max_rows_per_batch": 8})  # ~7 steps an epoch: the resumed run crosses an epoch end
+                  "data.max_rows_per_batch": 8,  # ~7 steps an epoch: the resumed run crosses an epoch end
+                  "optim.name": "muon", "optim.muon_lr": 0.3})
     run_training(train_cfg(tmp_path / "a", pipeline_run, tiny_target, **one))
     straight = train_losses(tmp_path / "a/out")
     run_training(train_cfg(tmp_path / "b", pipeline_run, tiny_target, run_steps=5, **one))
@@ -75,6 +77,8 @@ def test_resume_is_exact(tmp_path, ray_cluster, pipeline_run, tiny_target):
                     if "loss" in h or "epoch_end" in h)
     assert "E" in marks[marks.index("L" * 5) + 5:-1], marks  # an epoch ended inside the resumed half
     assert max(abs(x - y) for a, b in zip(straight, resumed) for x, y in zip(a, b)) <= 1e-6
+    evals = [h["val_loss"][0] for h in json.loads((tmp_path / "a/out/history.json").read_text()) if "val_loss" in h]
+    assert len(evals) == 2 and evals[-1] < 0.95 * evals[0], evals  # Muon trains: held-out loss 2.71 -> 2.49
 
 
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, ray_cluster, pipeline_run, tiny_target):

@@ -52,7 +52,13 @@ class Data(StrictModel):
 
 
 class Optim(StrictModel):
+    # "adamw" for every weight, or "muon": DeepSpeed's Muon (momentum, Newton-Schulz orthogonalised updates)
+    # for the head's matrices at muon_lr, with AdamW at lr for the norms and the lm_head (speculators'
+    # default optimizer; trainer/loop.py _engine).
+    name: Literal["adamw", "muon"] = "adamw"
     lr: float = Field(1e-4, gt=0)
+    muon_lr: float = Field(0.02, gt=0)
+    momentum: float = Field(0.95, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.015, ge=0, lt=1)
@@ -144,8 +150,6 @@ class Model(StrictModel):
             raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
         if self.kind == "eagle3" and self.block_causal:
             raise ValueError("block_causal: an EAGLE-3 head drafts no block (kind: dflash)")
-        if self.kind == "eagle3" and self.layers_init != "random":
-            raise ValueError("layers_init: target is for kind: dflash (an EAGLE-3 layer reads 2x the target's width)")
         if self.kind == "eagle3" and self.layers != 1:
             raise ValueError(f"num_layers: an EAGLE-3 head has one layer, not {self.layers}")
         if self.kind == "dflash":

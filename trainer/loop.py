@@ -108,13 +108,24 @@ class HeadTrainer:
             skip_shm_build()
         o = self.cfg.optim
         trainable = [p for p in objective.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         lr_at = lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio, o.schedule)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
         ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": o.grad_accum,
                   "gradient_clipping": o.grad_clip, "steps_per_print": 10 ** 9,
                   "zero_optimization": {"stage": self.cfg.deepspeed.zero_stage},
                   "bf16": {"enabled": self.cfg.deepspeed.dtype == "bf16"}, "zero_allow_untested_optimizer": True}
+        if o.name == "muon":
+            # DeepSpeed's own Muon: it tags every matrix outside embeddings and lm_heads for Muon (fc, the
+            # layer's projections and MLP) and runs AdamW on the rest, orthogonalising inside ZeRO-1/2's
+            # flat partitions; the schedule scales both halves' learning rates alike.
+            ds_cfg["optimizer"] = {"type": "Muon", "params": {
+                "muon_lr": o.muon_lr, "adam_lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
+                "weight_decay": o.weight_decay}}
+            engine, _, _, _ = deepspeed.initialize(
+                model=objective.to(self.device), model_parameters=trainable, config=ds_cfg,
+                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_at))
+            return engine
+        opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
         engine, _, _, _ = deepspeed.initialize(model=objective.to(self.device), optimizer=opt, lr_scheduler=sched,
                                                config=ds_cfg)
         return engine

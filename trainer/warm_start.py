@@ -110,10 +110,38 @@ def target_layer_state(layers: list[dict[str, torch.Tensor]], head: torch.nn.Mod
     return out
 
 
+def eagle3_layer_state(layer: dict[str, torch.Tensor], head: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 head's `midlayer.*` from one target decoder layer (`load_target_layers`): o_proj, the MLP
+    and post_attention_layernorm as they are; q/k/v read [input_layernorm(emb) ; hidden_norm(h)], so the
+    target's projection becomes the hidden half and the embedding half starts at zero (the layer first acts
+    as the target's on the fused state; the token's embedding enters as training finds it useful); both
+    input norms take the target's input_layernorm; q/k norms (Qwen3) have no place in an EAGLE-3 layer and
+    are left out. One line naming the tensor when one is missing or mis-shaped (Llama/Qwen-style layers)."""
+    own, out = head.state_dict(), {}
+    copy = {f"self_attn.{p}.weight": f"self_attn.{p}.weight" for p in ("o_proj", "q_proj", "k_proj", "v_proj")}
+    copy |= {f"mlp.{p}.weight": f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    copy |= {"post_attention_layernorm.weight": "post_attention_layernorm.weight",
+             "hidden_norm.weight": "input_layernorm.weight", "input_layernorm.weight": "input_layernorm.weight"}
+    for mine, theirs in copy.items():
+        want = own[f"midlayer.{mine}"]
+        if theirs not in layer:
+            raise ValueError(f"model.layers_init: target: the target's layer has no {theirs} (Llama/Qwen-style "
+                             f"layers only)")
+        src = layer[theirs].to(want.dtype)
+        if mine.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
+            half = want.shape[1] // 2
+            src = torch.cat([torch.zeros_like(src), src], dim=1) if src.shape[1] == half else src
+        if tuple(src.shape) != tuple(want.shape):
+            raise ValueError(f"model.layers_init: target: {theirs} is {tuple(layer[theirs].shape)} in the target, "
+                             f"the head's {mine} is {tuple(want.shape)}")
+        out[f"midlayer.{mine}"] = src
+    return out
+
+
 def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor, target_lm: torch.Tensor,
                   num_layers: int, target=None) -> torch.nn.Module:
     """The head a run starts from (trainer config's `model` section): fresh, its lm_head from the target's
-    rows (`lm_head_init: target`), its DFlash layers from the target's last layers (`layers_init: target`;
+    rows (`lm_head_init: target`), its layers from the target's last layers (`layers_init: target`;
     `target` is then the target's folder) or another head's weights (`init_from`, of the same kind);
     lm_head frozen on request."""
     head = build_head(hcfg)
@@ -122,7 +150,8 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
     if model.layers_init == "target":
         from trainer.target_parts import load_target_layers
         layers, final_norm = load_target_layers(target, list(range(num_layers - hcfg.num_layers, num_layers)))
-        head.load_state_dict(target_layer_state(layers, head), strict=False)
+        state = eagle3_layer_state(layers[0], head) if hcfg.kind == "eagle3" else target_layer_state(layers, head)
+        head.load_state_dict(state, strict=False)
         if final_norm is not None and final_norm.shape == head.norm.weight.shape:  # what the target's rows read
             head.norm.weight.data.copy_(final_norm)
     if model.lm_head_init == "target":
