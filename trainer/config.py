@@ -119,8 +119,9 @@ class Model(StrictModel):
     mask_token_id: int | None = Field(None, ge=0)
     anchors: int = Field(32, ge=1)
     decay_gamma: float | None = Field(4.0, gt=0)
-    # DFlash layers' start: "random", or "target": copies of the target's last num_layers decoder layers
-    # (q/k norms at one where the target has none; Llama/Qwen-style layers of the head's shapes).
+    # The layers' start: "random", or "target": DFlash, copies of the target's last num_layers decoder layers
+    # (q/k norms at one where the target has none); EAGLE-3, its one layer from the target's last, q/k/v's
+    # embedding half at zero (trainer/warm_start.py eagle3_layer_state). Llama/Qwen-style layers only.
     layers_init: Literal["random", "target"] = "random"
     # Causal attention inside the block (slot k sees slots <= k; speculators' DFlash and vLLM's
     # `dflash_config.causal`), against DFlash's original non-causal block.
