@@ -34,14 +34,16 @@ def train_losses(out: Path) -> list[list[float]]:
 def test_zero_stages_train_on_two_workers(stage, dtype, balance, tmp_path, ray_cluster, pipeline_run, tiny_target):
     """bf16 also runs the loop's check that the head's RoPE inv_freq stayed fp32 under DeepSpeed; ZeRO-1 runs
     the compiled objective (model.compile); ZeRO-3 runs the other data.balance (rows traded per pool, each
-    rank planning its own); the joint plans are weighted by the ranks' measured speeds, recorded per pool."""
+    rank planning its own) under DeepSpeed's Muon (optim.name: muon); the joint plans are weighted by the
+    ranks' measured speeds, recorded per pool."""
     from trainer.driver import run_training
 
     report = run_training(train_cfg(tmp_path, pipeline_run, tiny_target, max_steps=10, epochs=5,
                                     **{"deepspeed.zero_stage": stage, "deepspeed.dtype": dtype, "optim.lr": 5e-3,
                                        "data.balance": balance, "data.bucket_pool": 8,
                                        "data.rank_speeds": "measured" if balance == "steps" else "equal",
-                                       "model.compile": stage == 1}))  # the compiled step inside Ray + DeepSpeed
+                                       "model.compile": stage == 1,  # the compiled step inside Ray + DeepSpeed
+                                       "optim.name": "muon" if stage == 3 else "adamw", "optim.muon_lr": 0.3}))
     assert len(train_losses(tmp_path / "out")) == 10
     evals = [h for h in json.loads((tmp_path / "out/history.json").read_text()) if "val_loss" in h]
     assert [e["step"] for e in evals] == [0, 3, 6, 9, 10]
@@ -59,13 +61,11 @@ def test_zero_stages_train_on_two_workers(stage, dtype, balance, tmp_path, ray_c
 
 
 def test_resume_is_exact(tmp_path, ray_cluster, pipeline_run, tiny_target):
-    """Under DeepSpeed's Muon (optim.name: muon), whose momentum buffers the checkpoint must carry too."""
     from trainer.driver import run_training
 
     one = dict(**{"scaling.num_workers": 1, "scaling.cpus_per_worker": 1, "max_steps": 10, "epochs": 3,
                   "checkpoint_every": 5, "eval_every": 100, "data.max_tokens_per_batch": 4096,
-                  "data.max_rows_per_batch": 8,  # ~7 steps an epoch: the resumed run crosses an epoch end
-                  "optim.name": "muon", "optim.muon_lr": 0.3})
+                  "data.max_rows_per_batch": 8})  # ~7 steps an epoch: the resumed run crosses an epoch end
     run_training(train_cfg(tmp_path / "a", pipeline_run, tiny_target, **one))
     straight = train_losses(tmp_path / "a/out")
     run_training(train_cfg(tmp_path / "b", pipeline_run, tiny_target, run_steps=5, **one))
@@ -77,8 +77,6 @@ def test_resume_is_exact(tmp_path, ray_cluster, pipeline_run, tiny_target):
                     if "loss" in h or "epoch_end" in h)
     assert "E" in marks[marks.index("L" * 5) + 5:-1], marks  # an epoch ended inside the resumed half
     assert max(abs(x - y) for a, b in zip(straight, resumed) for x, y in zip(a, b)) <= 1e-6
-    evals = [h["val_loss"][0] for h in json.loads((tmp_path / "a/out/history.json").read_text()) if "val_loss" in h]
-    assert len(evals) == 2 and evals[-1] < 0.95 * evals[0], evals  # Muon trains: held-out loss 2.71 -> 2.49
 
 
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, ray_cluster, pipeline_run, tiny_target):

@@ -116,7 +116,10 @@ class HeadTrainer:
         if o.name == "muon":
             # DeepSpeed's own Muon: it tags every matrix outside embeddings and lm_heads for Muon (fc, the
             # layer's projections and MLP) and runs AdamW on the rest, orthogonalising inside ZeRO-1/2's
-            # flat partitions; the schedule scales both halves' learning rates alike.
+            # flat partitions; the schedule scales both halves' learning rates alike. ZeRO-3 refuses Muon
+            # with its reduce-scatter of gradients, so there they are all-reduced.
+            if self.cfg.deepspeed.zero_stage == 3:
+                ds_cfg["zero_optimization"]["reduce_scatter"] = False
             ds_cfg["optimizer"] = {"type": "Muon", "params": {
                 "muon_lr": o.muon_lr, "adam_lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
                 "weight_decay": o.weight_decay}}
