@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 # Stay on 127.0.0.1 and let Ray's own clients in; Ray Train's controller polls its workers every 0.25 s,
 # not 2 s, so a run ends when its workers do (docs/ARCHITECTURE.md §9). Set before Ray starts: its
@@ -132,32 +133,59 @@ def map_with_actors(ds, cls, **kwargs):
         return ds.map_batches(cls, max_restarts=0, **kwargs)
 
 
-def lost_worker(exc: BaseException) -> bool:
-    """Whether `exc` (or an exception it was raised from) says a process or node died, not that our code failed."""
+def lost_worker(exc: BaseException) -> BaseException | None:
+    """The exception in `exc`'s chain (itself or one it was raised from) that says a process or node died,
+    not that our code failed; None when there is none."""
     from ray import exceptions as rx
 
     lost = (rx.RayActorError, rx.NodeDiedError, rx.WorkerCrashedError, rx.ObjectLostError, rx.LocalRayletDiedError)
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, lost):
-            return not getattr(exc, "actor_init_failed", False)  # an __init__ that raised is our code's error
+            # an __init__ that raised is our code's error
+            return None if getattr(exc, "actor_init_failed", False) else exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
+
+
+def await_verdict(loss: BaseException, timeout_s: float = 90.0) -> float:
+    """Wait until Ray's GCS holds the lost actor dead; -> seconds waited. A node whose raylet died unseen
+    (`kill -9`, a lost host) stays alive in the GCS until its health checks time out (~15-30 s at Ray's
+    defaults), and until then the next attempt's new actors may be placed on it and lost as well (seen
+    in tests/test_cluster.py: attempts 2 and 3 of capture spent that way). A loss with no actor, or a GCS
+    that cannot be asked, waits nothing."""
+    actor = getattr(loss, "actor_id", None)
+    if not actor:
+        return 0.0
+    from ray._private import state  # the GCS's actor table; Ray's public state API needs the dashboard
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if state.actors(actor_id=actor).get("State") in ("DEAD", None):
+                break
+        except Exception:  # noqa: BLE001 - no verdict to wait for; the retry goes ahead as before
+            break
+        time.sleep(1.0)
+    return time.monotonic() - t0
 
 
 def retry_lost(stage: str, run, attempts: int = 3):
     """`run()`, again after a lost actor or node (`lost_worker`), at most `attempts` times in all. `run`
     must redo only what is not yet written (capture's shards, regeneration's chunks), so a retry costs the
-    lost work only. Any other error, and the last loss, propagate."""
+    lost work only. Each retry starts once the GCS holds the lost actor dead (`await_verdict`). Any other
+    error, and the last loss, propagate."""
     for attempt in range(1, attempts + 1):
         try:
             return run()
         except Exception as exc:  # noqa: BLE001 - filtered by lost_worker, re-raised otherwise
-            if attempt == attempts or not lost_worker(exc):
+            loss = lost_worker(exc) if attempt < attempts else None
+            if loss is None:
                 raise
-            print(f"[{stage}] a worker was lost ({type(exc).__name__}); attempt {attempt + 1} of {attempts} "
-                  "redoes the unfinished parts", flush=True)
+            waited = await_verdict(loss)
+            print(f"[{stage}] a worker was lost ({type(loss).__name__}); attempt {attempt + 1} of {attempts} "
+                  f"redoes the unfinished parts (after {waited:.0f} s for Ray to declare it dead)", flush=True)
 
 
 def check_actor_cpus(key: str, num_actors: int, cpus_per_actor: float) -> None:

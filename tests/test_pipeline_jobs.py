@@ -88,6 +88,34 @@ def test_killed_capture_actor_is_redone_in_one_run(tmp_path, ray_cluster, tiny_t
     assert json.loads((cap / "manifest.json").read_text())["rows"] == 160
 
 
+def test_a_retry_waits_until_ray_holds_the_lost_actor_dead(ray_cluster):
+    """`retry_lost` starts its next attempt only once the GCS holds the lost actor dead: before that, a node
+    whose raylet died unseen still takes new actors (tests/test_cluster.py lost attempts 2 and 3 so)."""
+    import ray
+    from ray import exceptions as rx
+
+    from pipeline.cluster import await_verdict, lost_worker
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def ping(self):
+            return 1
+
+    actor = Idle.remote()
+    assert ray.get(actor.ping.remote()) == 1
+    unseen = rx.ActorUnavailableError("connection reset", actor._actor_id.binary())  # as a dead raylet's RPC says
+    assert 2.0 <= await_verdict(unseen, timeout_s=2.0) < 4.0  # alive in the GCS: the retry waits its bound out
+    ray.kill(actor)
+    with pytest.raises(rx.RayActorError) as died:
+        ray.get(actor.ping.remote())
+    try:
+        raise RuntimeError("Dataset execution aborted") from died.value  # as Ray Data wraps it
+    except RuntimeError as wrapped:
+        assert lost_worker(wrapped) is died.value
+    assert lost_worker(ValueError("our code's bug")) is None
+    assert await_verdict(died.value, timeout_s=30.0) < 3.0  # already dead: no wait
+
+
 def submit(ray_cluster, module: str, cfg) -> subprocess.CompletedProcess:
     """`ray job submit --working-dir <repo> -- python -m <module> <cfg>` against the session head node."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")

@@ -110,7 +110,8 @@ def processes(markers) -> list:
 
 
 def stop_processes(markers) -> list[str]:
-    """SIGTERM, then SIGKILL after 3 s, every process of `processes(markers)`; -> their command lines."""
+    """SIGTERM, then SIGKILL after 3 s, every process of `processes(markers)`, gone on return; -> their command
+    lines."""
     import psutil
 
     procs, names = processes(markers), []
@@ -126,6 +127,7 @@ def stop_processes(markers) -> list[str]:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(alive, timeout=10)  # a killed raylet is still listed, whole, while the kernel tears it down
     return names
 
 
