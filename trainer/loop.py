@@ -123,14 +123,13 @@ class HeadTrainer:
             ds_cfg["optimizer"] = {"type": "Muon", "params": {
                 "muon_lr": o.muon_lr, "adam_lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
                 "weight_decay": o.weight_decay}}
-            engine, _, _, _ = deepspeed.initialize(
-                model=objective.to(self.device), model_parameters=trainable, config=ds_cfg,
-                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_at))
-            return engine
-        opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-        engine, _, _, _ = deepspeed.initialize(model=objective.to(self.device), optimizer=opt, lr_scheduler=sched,
-                                               config=ds_cfg)
+            opt = None
+        else:
+            opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        # The schedule as a callable: DeepSpeed builds it on the optimizer it ends up holding (its Muon's).
+        engine, _, _, _ = deepspeed.initialize(
+            model=objective.to(self.device), model_parameters=trainable, optimizer=opt, config=ds_cfg,
+            lr_scheduler=lambda built: torch.optim.lr_scheduler.LambdaLR(built, lr_at))
         return engine
 
     def forward(self, rows: list[dict], loss_on: str = "assistant") -> tuple[dict, int]:
