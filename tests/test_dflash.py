@@ -331,3 +331,11 @@ def test_layers_init_copies_the_targets_last_layers(tmp_path, tiny_target, arch)
         assert torch.equal(w[:, h:], getattr(last.self_attn, name).weight) and not w[:, :h].any(), name
     assert torch.equal(h3.midlayer.hidden_norm.weight, last.input_layernorm.weight)
     assert torch.equal(h3.norm.weight, model.model.norm.weight)
+    # fc_init: high: the fused state is the high aux state itself
+    mh = Model(layers_init="target", fc_init="high")
+    hh = starting_head(mh, run_head_config(mh, model.config, VOCAB, emb), d2t, t2d, model.lm_head.weight.detach(),
+                       n, target)
+    aux = torch.randn(5, 3 * h)
+    assert torch.equal(hh.features(aux), aux[:, 2 * h:]) and not torch.equal(h3.features(aux), aux[:, 2 * h:])
+    with pytest.raises(ValueError, match="fc_init"):
+        Model(kind="dflash", fc_init="high")

@@ -138,11 +138,18 @@ def eagle3_layer_state(layer: dict[str, torch.Tensor], head: torch.nn.Module) ->
     return out
 
 
+def high_fc(hidden: int, target_hidden: int) -> torch.Tensor:
+    """EAGLE-3's fc weight [H, 3 Ht] that passes the high aux state (the third) through: [0 | 0 | I]."""
+    if hidden != target_hidden:
+        raise ValueError(f"model.fc_init: high needs the head as wide as the target ({hidden} vs {target_hidden})")
+    return torch.cat([torch.zeros(hidden, 2 * hidden), torch.eye(hidden)], dim=1)
+
+
 def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor, target_lm: torch.Tensor,
                   num_layers: int, target=None) -> torch.nn.Module:
     """The head a run starts from (trainer config's `model` section): fresh, its lm_head from the target's
     rows (`lm_head_init: target`), its layers from the target's last layers (`layers_init: target`;
-    `target` is then the target's folder) or another head's weights (`init_from`, of the same kind);
+    `target` is then the target's folder), its fc passing the high aux state (`fc_init: high`) or another head's weights (`init_from`, of the same kind);
     lm_head frozen on request."""
     head = build_head(hcfg)
     if model.init_std is not None:
@@ -154,6 +161,8 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
         head.load_state_dict(state, strict=False)
         if final_norm is not None and final_norm.shape == head.norm.weight.shape:  # what the target's rows read
             head.norm.weight.data.copy_(final_norm)
+    if model.fc_init == "high":
+        head.fc.weight.data.copy_(high_fc(hcfg.hidden_size, hcfg.target_hidden_size))
     if model.lm_head_init == "target":
         head.lm_head.weight.data.copy_(target_lm_rows(target_lm, d2t, hcfg.hidden_size))
     if model.init_from is not None:
