@@ -149,8 +149,8 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
                   num_layers: int, target=None) -> torch.nn.Module:
     """The head a run starts from (trainer config's `model` section): fresh, its lm_head from the target's
     rows (`lm_head_init: target`), its layers from the target's last layers (`layers_init: target`;
-    `target` is then the target's folder), its fc passing the high aux state (`fc_init: high`) or another head's weights (`init_from`, of the same kind);
-    lm_head frozen on request."""
+    `target` is then the target's folder), its fc passing the high aux state (`fc_init: high`), or another
+    head's weights (`init_from`, of the same kind); lm_head frozen on request."""
     head = build_head(hcfg)
     if model.init_std is not None:
         normal_init(head, model.init_std)
