@@ -153,7 +153,7 @@ def await_verdict(loss: BaseException, timeout_s: float = 90.0) -> float:
     """Wait until Ray's GCS holds the lost actor dead; -> seconds waited. A node whose raylet died unseen
     (`kill -9`, a lost host) stays alive in the GCS until its health checks time out (~15-30 s at Ray's
     defaults), and until then the next attempt's new actors may be placed on it and lost as well (seen
-    in tests/test_cluster.py: attempts 2 and 3 of capture spent that way). A loss with no actor, or a GCS
+    in tests/test_cluster.py: capture's attempt 2 lost so). A loss with no actor, or a GCS
     that cannot be asked, waits nothing."""
     actor = getattr(loss, "actor_id", None)
     if not actor:

@@ -90,7 +90,7 @@ def test_killed_capture_actor_is_redone_in_one_run(tmp_path, ray_cluster, tiny_t
 
 def test_a_retry_waits_until_ray_holds_the_lost_actor_dead(ray_cluster):
     """`retry_lost` starts its next attempt only once the GCS holds the lost actor dead: before that, a node
-    whose raylet died unseen still takes new actors (tests/test_cluster.py lost attempts 2 and 3 so)."""
+    whose raylet died unseen still takes new actors (tests/test_cluster.py lost an attempt so)."""
     import ray
     from ray import exceptions as rx
 
