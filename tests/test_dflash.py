@@ -303,6 +303,11 @@ def test_layers_init_copies_the_targets_last_layers(tmp_path, tiny_target, arch)
 
     target = make_random_target(arch, tiny_target, tmp_path / arch)
     model = AutoModelForCausalLM.from_pretrained(target).float()
+    with torch.no_grad():  # norms away from one, so a copied norm is told from a fresh one
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(target)
     n = model.config.num_hidden_layers
     m = Model(kind="dflash", num_layers=2, layers_init="target")
     d2t, t2d = torch.zeros(VOCAB, dtype=torch.long), torch.zeros(model.config.vocab_size, dtype=torch.bool)
@@ -337,5 +342,9 @@ def test_layers_init_copies_the_targets_last_layers(tmp_path, tiny_target, arch)
                        n, target)
     aux = torch.randn(5, 3 * h)
     assert torch.equal(hh.features(aux), aux[:, 2 * h:]) and not torch.equal(h3.features(aux), aux[:, 2 * h:])
-    with pytest.raises(ValueError, match="fc_init"):
-        Model(kind="dflash", fc_init="high")
+    # DFlash: the context is the high aux state under the first copied layer's input norm
+    md = Model(kind="dflash", num_layers=2, layers_init="target", fc_init="high")
+    hd = starting_head(md, hcfg, d2t, t2d, model.lm_head.weight.detach(), n, target)
+    first = model.model.layers[n - 2].input_layernorm.weight
+    assert torch.equal(hd.hidden_norm.weight, first) and not torch.equal(head.hidden_norm.weight, first)
+    assert torch.equal(hd.fc(aux), aux[:, 2 * h:]) and not torch.equal(head.fc(aux), aux[:, 2 * h:])

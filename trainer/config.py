@@ -123,8 +123,9 @@ class Model(StrictModel):
     # (q/k norms at one where the target has none); EAGLE-3, its one layer from the target's last, q/k/v's
     # embedding half at zero (trainer/warm_start.py eagle3_layer_state). Llama/Qwen-style layers only.
     layers_init: Literal["random", "target"] = "random"
-    # EAGLE-3's fc start: "random" (PyTorch's), or "high": [0 | 0 | I], the high aux state passed through, so a
-    # layer from the target (layers_init: target) first reads the state nearest its own input.
+    # The fc start: "random" (PyTorch's), or "high": [0 | 0 | I], the high aux state passed through, so a layer
+    # from the target (layers_init: target) first reads the state nearest its own input (DFlash: as its context
+    # keys and values, hidden_norm then the first copied layer's input norm).
     fc_init: Literal["random", "high"] = "random"
     # Causal attention inside the block (slot k sees slots <= k; speculators' DFlash and vLLM's
     # `dflash_config.causal`), against DFlash's original non-causal block.
@@ -154,8 +155,6 @@ class Model(StrictModel):
             raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
         if self.kind == "eagle3" and self.block_causal:
             raise ValueError("block_causal: an EAGLE-3 head drafts no block (kind: dflash)")
-        if self.kind == "dflash" and self.fc_init != "random":
-            raise ValueError("fc_init: a DFlash head's fc reads the aux states for its context keys (kind: eagle3)")
         if self.kind == "eagle3" and self.layers != 1:
             raise ValueError(f"num_layers: an EAGLE-3 head has one layer, not {self.layers}")
         if self.kind == "dflash":

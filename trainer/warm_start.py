@@ -139,7 +139,7 @@ def eagle3_layer_state(layer: dict[str, torch.Tensor], head: torch.nn.Module) ->
 
 
 def high_fc(hidden: int, target_hidden: int) -> torch.Tensor:
-    """EAGLE-3's fc weight [H, 3 Ht] that passes the high aux state (the third) through: [0 | 0 | I]."""
+    """The fc weight [H, 3 Ht] (EAGLE-3's and DFlash's) that passes the high aux state (the third) through: [0 | 0 | I]."""
     if hidden != target_hidden:
         raise ValueError(f"model.fc_init: high needs the head as wide as the target ({hidden} vs {target_hidden})")
     return torch.cat([torch.zeros(hidden, 2 * hidden), torch.eye(hidden)], dim=1)
@@ -163,6 +163,8 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
             head.norm.weight.data.copy_(final_norm)
     if model.fc_init == "high":
         head.fc.weight.data.copy_(high_fc(hcfg.hidden_size, hcfg.target_hidden_size))
+        if hcfg.kind == "dflash" and model.layers_init == "target":  # the context as the first layer reads its input
+            head.hidden_norm.weight.data.copy_(layers[0]["input_layernorm.weight"])
     if model.lm_head_init == "target":
         head.lm_head.weight.data.copy_(target_lm_rows(target_lm, d2t, hcfg.hidden_size))
     if model.init_from is not None:
