@@ -297,7 +297,8 @@ def test_sampling_with_a_dflash_tree_keeps_the_target_distribution():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_layers_init_copies_the_targets_last_layers(tmp_path, tiny_target, arch):
     """model.layers_init: target: the DFlash layers start as the target's last layers and its final norm
-    (q/k norms too where the target has them, at one where it has none); an EAGLE-3 layer from the last one."""
+    (q/k norms too where the target has them, at its projections' size where it has none); an EAGLE-3 layer
+    from the last one."""
     from trainer.config import Model
     from trainer.warm_start import run_head_config, starting_head
 
@@ -319,8 +320,12 @@ def test_layers_init_copies_the_targets_last_layers(tmp_path, tiny_target, arch)
         got = dict(head.layers[j].named_parameters())
         for name, p in src.named_parameters():
             assert torch.equal(got[name], p), (j, name)
-        if arch == "llama":
-            assert torch.equal(got["self_attn.q_norm.weight"], torch.ones(hcfg.head_dim))
+        if arch == "llama":  # no q/k norms in the target: the head's at the size its projections give
+            for p in "qk":
+                w, g = getattr(src.self_attn, f"{p}_proj").weight, src.input_layernorm.weight
+                size = (w.pow(2) * g.pow(2)).sum(1).mean().sqrt()
+                assert torch.allclose(got[f"self_attn.{p}_norm.weight"], size.expand(hcfg.head_dim)), (j, p)
+                assert abs(size.item() - 1) > 0.05  # tells it from a fresh norm
     assert torch.equal(head.norm.weight, model.model.norm.weight)
     fresh = starting_head(Model(kind="dflash", num_layers=2), hcfg, d2t, t2d, model.lm_head.weight.detach(), n)
     assert not torch.equal(fresh.layers[1].mlp.up_proj.weight, model.model.layers[n - 1].mlp.up_proj.weight)
