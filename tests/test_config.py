@@ -128,7 +128,7 @@ def test_serve_dtype_belongs_to_the_eagleray_backend(tmp_path):
 
 
 def test_gpu_example_configs_validate_with_their_paths_supplied(tmp_path):
-    """configs/*/qwen3_8b_gpu.yaml name cluster paths that do not exist here. With those supplied as
+    """configs/*/qwen3_8b_gpu.yaml (and the SmolLM2 heads') name paths that do not exist here. With those supplied as
     overrides every other key validates, so a renamed or mistyped key fails here, not on a user's cluster."""
     from pipeline.config import PipelineConfig
     from trainer.config import TrainConfig
@@ -143,6 +143,11 @@ def test_gpu_example_configs_validate_with_their_paths_supplied(tmp_path):
     train = load_config(TrainConfig, configs / "trainer/qwen3_8b_gpu.yaml", [f"target={folder}",
                                                                               f"data.shards={folder}"])
     assert train.scaling.use_gpu and train.model.compile and train.deepspeed.dtype == "bf16"
+    paths = [f"target={folder}", f"data.shards={folder}"]
+    smol = {name: load_config(TrainConfig, configs / f"trainer/{name}.yaml", paths)
+            for name in ("smollm2", "smollm2_dflash")}
+    assert [(c.model.kind, c.model.layers_init, c.model.fc_init) for c in smol.values()] == \
+        [("eagle3", "target", "high"), ("dflash", "target", "high")]
 
 
 def test_eagleray_command_lists_stages_and_runs_each_stage_module(repo_root):
