@@ -128,8 +128,9 @@ def test_serve_dtype_belongs_to_the_eagleray_backend(tmp_path):
 
 
 def test_gpu_example_configs_validate_with_their_paths_supplied(tmp_path):
-    """configs/*/qwen3_8b_gpu.yaml (and the SmolLM2 heads') name paths that do not exist here. With those supplied as
-    overrides every other key validates, so a renamed or mistyped key fails here, not on a user's cluster."""
+    """configs/*/qwen3_8b_gpu.yaml (and the SmolLM2 heads') name paths that do not exist here. With those
+    supplied as overrides every other key validates, so a renamed or mistyped key fails here, not on a
+    user's cluster."""
     from pipeline.config import PipelineConfig
     from trainer.config import TrainConfig
 

@@ -120,8 +120,8 @@ class Model(StrictModel):
     anchors: int = Field(32, ge=1)
     decay_gamma: float | None = Field(4.0, gt=0)
     # The layers' start: "random", or "target": DFlash, copies of the target's last num_layers decoder layers
-    # (q/k norms at the target's q/k size where it has none); EAGLE-3, its one layer from the target's last, q/k/v's
-    # embedding half at zero (trainer/warm_start.py eagle3_layer_state). Llama/Qwen-style layers only.
+    # (q/k norms at the target's q/k size where it has none); EAGLE-3, its one layer from the target's last,
+    # q/k/v's embedding half at zero (trainer/warm_start.py eagle3_layer_state). Llama/Qwen-style layers only.
     layers_init: Literal["random", "target"] = "random"
     # The fc start: "random" (PyTorch's), or "high": [0 | 0 | I], the high aux state passed through, so a layer
     # from the target (layers_init: target) first reads the state nearest its own input (DFlash: as its context

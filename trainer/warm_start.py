@@ -151,7 +151,8 @@ def eagle3_layer_state(layer: dict[str, torch.Tensor], head: torch.nn.Module) ->
 
 
 def high_fc(hidden: int, target_hidden: int) -> torch.Tensor:
-    """The fc weight [H, 3 Ht] (EAGLE-3's and DFlash's) that passes the high aux state (the third) through: [0 | 0 | I]."""
+    """The fc weight [H, 3 Ht] (EAGLE-3's and DFlash's) that passes the high aux state (the third) through:
+    [0 | 0 | I]."""
     if hidden != target_hidden:
         raise ValueError(f"model.fc_init: high needs the head as wide as the target ({hidden} vs {target_hidden})")
     return torch.cat([torch.zeros(hidden, 2 * hidden), torch.eye(hidden)], dim=1)
