@@ -102,7 +102,7 @@ def target_layer_state(layers: list[dict[str, torch.Tensor]], head: torch.nn.Mod
             local = k[len(f"layers.{j}."):]
             if local not in layer:
                 if local.endswith(("q_norm.weight", "k_norm.weight")):
-                    proj = layer.get(f"self_attn.{local.split('.')[-2][0]}_proj.weight")
+                    proj = layer.get(local.replace("_norm.", "_proj."))  # self_attn.q_proj.weight
                     if proj is not None and "input_layernorm.weight" in layer:
                         out[k] = torch.full_like(v, qk_size(proj, layer["input_layernorm.weight"]))
                     continue
@@ -176,7 +176,7 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
             head.norm.weight.data.copy_(final_norm)
     if model.fc_init == "high":
         head.fc.weight.data.copy_(high_fc(hcfg.hidden_size, hcfg.target_hidden_size))
-        if hcfg.kind == "dflash" and model.layers_init == "target":  # the context as the first layer reads its input
+        if hcfg.kind == "dflash" and model.layers_init == "target":  # context as the first layer reads input
             head.hidden_norm.weight.data.copy_(layers[0]["input_layernorm.weight"])
     if model.lm_head_init == "target":
         head.lm_head.weight.data.copy_(target_lm_rows(target_lm, d2t, hcfg.hidden_size))
