@@ -6,6 +6,7 @@ micro-batches consumed in that epoch, best simulated tau).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -89,6 +90,11 @@ class HeadTrainer:
         self.flops = step_flops(hcfg, self.steps)
         self.engine = self._engine(objective)
         self.head = self.engine.module.head
+        # DeepSpeed's Muon compiles its Newton-Schulz update; on CPU the compile (14 s for SmolLM2's matrix
+        # shapes alone, ~a minute inside two busy workers) outweighs what it saves (0.256 against 0.282 s a
+        # pass over those matrices), so there the update runs eagerly (ARCHITECTURE.md §9).
+        eager = cfg.optim.name == "muon" and not cfg.scaling.use_gpu
+        self.update_ctx = (lambda: torch._dynamo.config.patch(disable=True)) if eager else contextlib.nullcontext
         inv = self.head.rotary.inv_freq
         assert inv.dtype == torch.float32, f"head RoPE inv_freq is {inv.dtype} after engine init, must stay fp32"
 
@@ -287,7 +293,8 @@ class TrainLoop:
         out, ntok = run.forward(rows, self.cfg.data.loss_on)
         if self.pace:
             self.pace.add(batch_cost(stream, rows), time.perf_counter() - t0)
-        run.engine.backward(out["loss"])
+        with run.update_ctx():
+            run.engine.backward(out["loss"])
         # Checked after backward, whose gradient all-reduce has just lined the ranks up (a sync between
         # forward and backward made the ranks wait for each other twice a step); step() has not run, so
         # a non-finite loss on any rank leaves the weights of the last step.
@@ -296,7 +303,8 @@ class TrainLoop:
             raise FloatingPointError(
                 f"non-finite loss at step {st['global_step']} (epoch {st['epoch']}); training stopped, "
                 f"the last good checkpoint is the latest one reported before this step")
-        run.engine.step()
+        with run.update_ctx():
+            run.engine.step()
         st["batches_in_epoch"] += 1
         self.seen.add(rows)
         self.window.add(out, ntok)
