@@ -91,7 +91,7 @@ class HeadTrainer:
         self.engine = self._engine(objective)
         self.head = self.engine.module.head
         # DeepSpeed's Muon compiles its Newton-Schulz update; on CPU the compile (14 s for SmolLM2's matrix
-        # shapes alone, ~a minute inside two busy workers) outweighs what it saves (0.256 against 0.282 s a
+        # shapes alone, 20 s of the ZeRO-3 test's two workers) outweighs what it saves (0.256 against 0.282 s a
         # pass over those matrices), so there the update runs eagerly (ARCHITECTURE.md §9).
         eager = cfg.optim.name == "muon" and not cfg.scaling.use_gpu
         self.update_ctx = (lambda: torch._dynamo.config.patch(disable=True)) if eager else contextlib.nullcontext
