@@ -90,9 +90,7 @@ class HeadTrainer:
         self.flops = step_flops(hcfg, self.steps)
         self.engine = self._engine(objective)
         self.head = self.engine.module.head
-        # DeepSpeed's Muon compiles its Newton-Schulz update; on CPU the compile (14 s for SmolLM2's matrix
-        # shapes alone, 20 s of the ZeRO-3 test's two workers) outweighs what it saves (0.256 against 0.282 s a
-        # pass over those matrices), so there the update runs eagerly (ARCHITECTURE.md §9).
+        # DeepSpeed's Muon compiles its Newton-Schulz step; on CPU eager is cheaper (ARCHITECTURE.md §9)
         eager = cfg.optim.name == "muon" and not cfg.scaling.use_gpu
         self.update_ctx = (lambda: torch._dynamo.config.patch(disable=True)) if eager else contextlib.nullcontext
         inv = self.head.rotary.inv_freq
@@ -295,15 +293,14 @@ class TrainLoop:
             self.pace.add(batch_cost(stream, rows), time.perf_counter() - t0)
         with run.update_ctx():
             run.engine.backward(out["loss"])
-        # Checked after backward, whose gradient all-reduce has just lined the ranks up (a sync between
-        # forward and backward made the ranks wait for each other twice a step); step() has not run, so
-        # a non-finite loss on any rank leaves the weights of the last step.
-        bad = run.all_sum(torch.tensor(float(not torch.isfinite(out["loss"]).item()))).item()
-        if bad:
-            raise FloatingPointError(
-                f"non-finite loss at step {st['global_step']} (epoch {st['epoch']}); training stopped, "
-                f"the last good checkpoint is the latest one reported before this step")
-        with run.update_ctx():
+            # Checked after backward, whose gradient all-reduce has just lined the ranks up (a sync between
+            # forward and backward made the ranks wait for each other twice a step); step() has not run, so
+            # a non-finite loss on any rank leaves the weights of the last step.
+            bad = run.all_sum(torch.tensor(float(not torch.isfinite(out["loss"]).item()))).item()
+            if bad:
+                raise FloatingPointError(
+                    f"non-finite loss at step {st['global_step']} (epoch {st['epoch']}); training stopped, "
+                    f"the last good checkpoint is the latest one reported before this step")
             run.engine.step()
         st["batches_in_epoch"] += 1
         self.seen.add(rows)
