@@ -123,7 +123,8 @@ def test_sampling_matches_target_distribution():
 
     model = peaky_llama()
     n = 8000  # 20k took 240 s of the suite on a 2-core EPYC, 12k 136-155 s; 8k still fills >= 10 cells
-    res = run_check(model, random_head(model.config, seed=1), n)
+    # (257 seen); two processes draw the same 8k seeds as one, in 41 s instead of 79 s
+    res = run_check(model, random_head(model.config, seed=1), n, workers=2)  # the 2 cores CI has
     print(res)
     assert res["impossible"] == 0  # never a sequence the target cannot sample
     assert res["accepted"] > 0.05 * n  # drafts really were accepted (about 9% of draws), not only bonus tokens

@@ -80,21 +80,38 @@ def chi_square(counts: collections.Counter, joint: dict, n: int, min_expected: f
     return {"cells": len(big), "chi2": round(stat, 3), "dof": dof, "p_value": round(p, 4)}
 
 
-def run_check(model, head, n: int, seed: int = 123, s: SpecSettings = SETTINGS) -> dict:
-    """n seeded speculative generations of 3 tokens from PROMPT vs the exact joint distribution."""
+def draw_counts(model, head, draws: list[int], s: SpecSettings) -> tuple[collections.Counter, int]:
+    """Sequences drawn with the seeds `draws` (one speculative generation each) and the drafts accepted."""
     gen = EagleGenerator(model, None, head, [0, 1, 2])  # 4 layers: explicit aux ids
-    g = torch.Generator().manual_seed(seed)
     counts, accepted = collections.Counter(), 0
-    t0 = time.perf_counter()
-    for _ in range(n):
-        draw = int(torch.randint(0, 2 ** 62, (1,), generator=g))
+    for draw in draws:
         out = gen.generate(PROMPT, SpecSettings(**{**s.__dict__, "seed": draw}))
         counts[tuple(out.tokens)] += 1
         accepted += sum(out.stats.accepted)
+    return counts, accepted
+
+
+def run_check(model, head, n: int, seed: int = 123, s: SpecSettings = SETTINGS, workers: int = 1) -> dict:
+    """n seeded speculative generations of 3 tokens from PROMPT vs the exact joint distribution. The seeds
+    come from `seed` alone, so `workers` processes (spawned, each drawing its slice) count the same draws."""
+    g = torch.Generator().manual_seed(seed)
+    draws = [int(torch.randint(0, 2 ** 62, (1,), generator=g)) for _ in range(n)]
+    t0 = time.perf_counter()
+    if workers <= 1:
+        counts, accepted = draw_counts(model, head, draws, s)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        parts = [draws[i::workers] for i in range(workers)]
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:  # a core each
+            results = list(pool.map(draw_counts, [model] * workers, [head] * workers, parts, [s] * workers))
+        counts, accepted = sum((c for c, _ in results), collections.Counter()), sum(a for _, a in results)
     secs = time.perf_counter() - t0
     joint = exact_joint(model, PROMPT, s)
     return {"n": n, "accepted": accepted, "impossible": sum(v for c, v in counts.items() if c not in joint),
-            "seconds": round(secs, 1), **chi_square(counts, joint, n)}
+            "seconds": round(secs, 1), "workers": workers, **chi_square(counts, joint, n)}
 
 
 def main(argv=None) -> dict:
@@ -103,10 +120,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     ap.add_argument("--n", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=123)
+    ap.add_argument("--workers", type=int, default=1, help="processes drawing in parallel (CPU)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model = peaky_llama(dtype, args.device)
-    res = run_check(model, random_head(model.config, seed=1, dtype=dtype), args.n, args.seed)
+    res = run_check(model, random_head(model.config, seed=1, dtype=dtype), args.n, args.seed, workers=args.workers)
     res |= {"device": args.device, "dtype": args.dtype,
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     print(json.dumps(res))

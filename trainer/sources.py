@@ -12,6 +12,8 @@ run replays its epoch deterministically; the held-out rows are the last `data.va
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,6 +25,9 @@ from pipeline.shards import drop_ids, read_manifest, shard_name, shard_ranges
 from pipeline.vocab import VOCAB_FILE
 from trainer.config import TrainConfig
 from trainer.data import shard_files, val_rows
+
+FOOTER_READERS_ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+SHARDS_PER_FOOTER_READER = 256
 
 
 @dataclass
@@ -50,11 +55,22 @@ def _without(ds, held_out: list[str]):
 
 
 def read_shards(files: list[str]):
-    """A Ray Data dataset over shard files (paths or URIs of one filesystem), read on any node."""
+    """A Ray Data dataset over shard files (paths or URIs of one filesystem), read on any node.
+
+    Ray Data 2.60 lists parquet files by reading their footers on a pool of actors, 32 by default: 32
+    worker processes started for every read, 5-6 s of a 2-CPU node for a run's 8 shards. The pool is sized
+    to the files here (one actor per SHARDS_PER_FOOTER_READER), unless the user set its variable."""
     import ray
 
     fs, _ = storage.filesystem(files[0])
-    return ray.data.read_parquet([storage.filesystem(f)[1] for f in files], filesystem=fs)
+    paths = [storage.filesystem(f)[1] for f in files]
+    if FOOTER_READERS_ENV in os.environ:
+        return ray.data.read_parquet(paths, filesystem=fs)
+    os.environ[FOOTER_READERS_ENV] = str(min(32, math.ceil(len(files) / SHARDS_PER_FOOTER_READER)))
+    try:  # read when the read is planned, here in the driver
+        return ray.data.read_parquet(paths, filesystem=fs)
+    finally:
+        del os.environ[FOOTER_READERS_ENV]
 
 
 def parquet_data(shards, n_val: int) -> TrainingData:
