@@ -288,7 +288,7 @@ def test_sampling_with_a_dflash_tree_keeps_the_target_distribution():
 
     model = peaky_llama()
     head = dflash_head(model.config, vocab=48, block=3, mask=1)
-    res = run_check(model, head, 5000)
+    res = run_check(model, head, 5000, workers=2)
     print(res)
     assert res["impossible"] == 0 and res["accepted"] > 0.03 * 5000
     assert res["cells"] >= 10 and res["p_value"] > 0.01
