@@ -127,3 +127,25 @@ def load_config_dict(path: Path) -> dict:
     import yaml
 
     return yaml.safe_load(Path(path).read_text())
+
+
+def test_shards_are_read_with_a_footer_pool_sized_to_the_files(stream_pipeline, monkeypatch):
+    """Ray Data plans a parquet read on a pool of footer-reading actors, 32 unless told: read_shards sizes
+    it to the files (1 for 8 shards) for that read only, and keeps a size the user set."""
+    import os
+
+    import ray
+
+    from trainer.data import shard_files
+    from trainer.sources import FOOTER_READERS_ENV, read_shards
+
+    seen, real = [], ray.data.read_parquet
+    monkeypatch.setattr(ray.data, "read_parquet", lambda *a, **k: (seen.append(os.environ.get(FOOTER_READERS_ENV)),
+                                                                   real(*a, **k))[1])
+    monkeypatch.delenv(FOOTER_READERS_ENV, raising=False)
+    files = shard_files(stream_pipeline / "parquet_run/capture")
+    assert len(files) == 8 and read_shards(files).count() == 48
+    assert seen == ["1"] and FOOTER_READERS_ENV not in os.environ
+    monkeypatch.setenv(FOOTER_READERS_ENV, "3")
+    read_shards(files)
+    assert seen == ["1", "3"] and os.environ[FOOTER_READERS_ENV] == "3"

@@ -124,9 +124,10 @@ class HeadTrainer:
             # with its reduce-scatter of gradients, so there they are all-reduced.
             if self.cfg.deepspeed.zero_stage == 3:
                 ds_cfg["zero_optimization"]["reduce_scatter"] = False
+            # On CPU its AdamW half is torch's (FusedAdam is a C++ op built per install: ~50 s in CI).
             ds_cfg["optimizer"] = {"type": "Muon", "params": {
                 "muon_lr": o.muon_lr, "adam_lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
-                "weight_decay": o.weight_decay}}
+                "weight_decay": o.weight_decay, "torch_adam": not self.cfg.scaling.use_gpu}}
             opt = None
         else:
             opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
