@@ -67,7 +67,7 @@ def read_shards(files: list[str]):
     if FOOTER_READERS_ENV in os.environ:
         return ray.data.read_parquet(paths, filesystem=fs)
     os.environ[FOOTER_READERS_ENV] = str(min(32, math.ceil(len(files) / SHARDS_PER_FOOTER_READER)))
-    try:  # read when the read is planned, here in the driver
+    try:  # Ray reads the variable as it plans the read: here, in the driver
         return ray.data.read_parquet(paths, filesystem=fs)
     finally:
         del os.environ[FOOTER_READERS_ENV]
