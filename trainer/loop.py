@@ -118,13 +118,12 @@ class HeadTrainer:
                   "zero_optimization": {"stage": self.cfg.deepspeed.zero_stage},
                   "bf16": {"enabled": self.cfg.deepspeed.dtype == "bf16"}, "zero_allow_untested_optimizer": True}
         if o.name == "muon":
-            # DeepSpeed's own Muon: it tags every matrix outside embeddings and lm_heads for Muon (fc, the
-            # layer's projections and MLP) and runs AdamW on the rest, orthogonalising inside ZeRO-1/2's
-            # flat partitions; the schedule scales both halves' learning rates alike. ZeRO-3 refuses Muon
-            # with its reduce-scatter of gradients, so there they are all-reduced.
+            # DeepSpeed's own Muon (ARCHITECTURE.md §5): Muon for the matrices, AdamW for the rest, both
+            # scheduled alike. ZeRO-3 refuses it beside its gradient reduce-scatter, so there gradients are
+            # all-reduced. On CPU the AdamW half is torch's: DeepSpeed's FusedAdam is a C++ op built per
+            # install (~50 s; §9).
             if self.cfg.deepspeed.zero_stage == 3:
                 ds_cfg["zero_optimization"]["reduce_scatter"] = False
-            # On CPU its AdamW half is torch's (FusedAdam is a C++ op built per install: ~50 s in CI).
             ds_cfg["optimizer"] = {"type": "Muon", "params": {
                 "muon_lr": o.muon_lr, "adam_lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
                 "weight_decay": o.weight_decay, "torch_adam": not self.cfg.scaling.use_gpu}}
