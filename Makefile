@@ -52,9 +52,11 @@ demo: $(STAMP)
 	@$(PY) tools/demo_serve.py configs/serve/demo.yaml --out $(DEMO)/serve.json
 	@$(PY) tools/demo_summary.py --demo $(DEMO) --seconds $$(( $$(date +%s) - $$(cat $(DEMO)/.started) ))
 
-# The interop test judges our heads in vLLM: it fails, not skips, when vLLM does not import.
+# The interop test judges our heads in vLLM: it fails, not skips, when vLLM does not import. Two pytest-xdist
+# workers: the tests on the session's Ray run in order on one, the rest beside them (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	EAGLERAY_REQUIRE_VLLM=1 $(PY) -m pytest
+	EAGLERAY_REQUIRE_VLLM=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 clean-demo:
 	rm -rf $(DEMO)

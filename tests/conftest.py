@@ -20,6 +20,28 @@ from local_cluster import S3_CREDENTIALS  # noqa: E402
 for _k, _v in S3_CREDENTIALS.items():
     os.environ.setdefault(_k, _v)
 
+# Under `make test` two xdist workers share the two cores, so each runs torch on one thread (and so do the
+# processes it starts): two processes of two threads each slowed the tiny target's training 4.4x (OpenMP
+# threads spinning on a busy core), one thread each 1.1x; its weights are the same bits either way.
+TEST_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+if TEST_THREADS == 1:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`), each a session with its own
+    fixtures (its own local Ray when a test of it needs one). A group runs on one worker, in order: every
+    test on the shards of `pipeline_run` joins one, so that fixture and the heads trained from it
+    (`tiny_head`, `tiny_dflash_head`) are built once; the other tests fill both workers. Most of a Ray test's
+    wall is waiting on process starts, which leaves a core idle (docs/MEASUREMENTS.md "Test suite time")."""
+    for item in items:
+        if "pipeline_run" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("pipeline_run"))
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
@@ -57,9 +79,32 @@ def ray_cluster():
 
     head = start_head()
     ray.init(address=head["address"], log_to_driver=False)
-    yield {k: head[k] for k in ("address", "dashboard", "env")}
+    yield {k: head[k] for k in ("address", "dashboard", "env", "markers")}
     ray.shutdown()
     stop_head(head["markers"])
+
+
+def actor_processes(title: str, markers: tuple[str, ...] | None = None, root: int | None = None) -> list:
+    """Live processes whose title names `title` (Ray titles an actor's process after its class:
+    "ray::MapWorker(MapBatches(CaptureWorker))") in one Ray's process tree: the head whose command lines
+    name `markers` (`ray_cluster["markers"]`), or the descendants of pid `root` (a stage that started a Ray
+    of its own). Each test worker runs a Ray, so a test's kill must not land on the other worker's actor."""
+    import psutil
+
+    from local_cluster import processes
+
+    try:
+        tree = processes(markers) if markers else psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for p in tree:
+        try:
+            if title in " ".join(p.cmdline()):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 def stop_head(markers: tuple[str, ...]) -> list[str]:
@@ -85,7 +130,8 @@ def tiny_target(tmp_path_factory, demo_corpus) -> Path:
     import demo_target as dt
 
     out = tmp_path_factory.mktemp("tiny_target")
-    dt.main(["--out", str(out), "--preset", "tiny", "--corpus", str(demo_corpus / "train.jsonl")])
+    dt.main(["--out", str(out), "--preset", "tiny", f"threads={TEST_THREADS}",
+             "--corpus", str(demo_corpus / "train.jsonl")])
     return out
 
 

@@ -60,22 +60,25 @@ def test_sigkill_mid_capture_then_rerun(tmp_path, ray_cluster, tiny_target, demo
 def test_killed_capture_actor_is_redone_in_one_run(tmp_path, ray_cluster, tiny_target, demo_corpus):
     """SIGKILL the capture actor mid-run: the same run redoes the unwritten shards (pipeline.cluster.retry_lost)
     and ends with every row once; no restartable actor, so Ray's core prints no error line of its own."""
-    import psutil
+    from conftest import actor_processes
 
     tree = pipeline_tree(tmp_path / "run", tiny_target, demo_corpus / "train.jsonl", records=160,
                          capture={"rows_per_shard": 4, "batch_tokens": 128})
     cfg = write_yaml(tmp_path / "c.yaml", tree)
     cap = tmp_path / "run" / "capture"
+    # ray_cluster's env names no address: the stage starts a Ray of its own, under its process
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", str(cfg)], cwd=REPO, env=ray_cluster["env"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed, deadline = [], time.time() + 600
     while not killed and time.time() < deadline and proc.poll() is None:
         if len(list(cap.glob("shard-*.parquet"))) >= 3:
-            for p in psutil.process_iter(["pid", "cmdline"]):
-                if "CaptureWorker" in " ".join(p.info["cmdline"] or []):
-                    os.kill(p.info["pid"], signal.SIGKILL)
-                    killed.append(len(list(cap.glob("shard-*.parquet"))))
-                    break
+            for p in actor_processes("CaptureWorker", root=proc.pid):
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                killed.append(len(list(cap.glob("shard-*.parquet"))))
+                break
         time.sleep(0.05)
     out, _ = proc.communicate(timeout=600)
     assert killed and killed[0] < 40, (killed, out[-2000:])  # the kill landed mid-capture

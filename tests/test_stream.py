@@ -83,28 +83,26 @@ def test_stream_and_hybrid_train_exactly_like_parquet(tmp_path, stream_pipeline,
     assert [e["epoch_end"] for e in history(hybrid_cfg) if "epoch_end" in e] == [0, 1]
 
 
-def test_killed_capture_actor_is_restarted_and_rows_seen_once(tmp_path, stream_pipeline, tiny_target):
+def test_killed_capture_actor_is_restarted_and_rows_seen_once(tmp_path, ray_cluster, stream_pipeline, tiny_target):
     """SIGKILL the capture actor while the epoch streams: Ray Data restarts it and retries its shard."""
     import os
     import signal
 
-    import psutil
+    from conftest import actor_processes
 
     killed: list[int] = []
 
     def kill_first_capture_actor():
-        # Ray titles an actor's process after its class: "ray::MapWorker(MapBatches(CaptureWorker))".
         deadline = time.time() + 240
         while time.time() < deadline:
-            for p in psutil.process_iter(["pid", "cmdline"]):
-                if "CaptureWorker" in " ".join(p.info["cmdline"] or []):
-                    time.sleep(0.5)  # let it take a shard or two first
-                    try:
-                        os.kill(p.info["pid"], signal.SIGKILL)
-                    except ProcessLookupError:
-                        continue
-                    killed.append(p.info["pid"])
-                    return
+            for p in actor_processes("CaptureWorker", markers=ray_cluster["markers"]):
+                time.sleep(0.5)  # let it take a shard or two first
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                killed.append(p.pid)
+                return
             time.sleep(0.1)
 
     tree = load_config_dict(stream_pipeline / "stream.yaml")

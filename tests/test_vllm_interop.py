@@ -2,7 +2,7 @@
 
 The checker must agree with our engine on a good head in both formats, and must see a head broken the
 ways real exports break (wrong d2t, aux states fed in the wrong order, aux ids in the wrong numbering)
-as worse, and name the layer mismatch: otherwise it could not fail.
+as decoding otherwise (a wrong d2t: far worse), and name the layer mismatch: otherwise it could not fail.
 """
 import json
 import os
@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import check_vllm
+from conftest import TEST_THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("EAGLERAY_VLLM_PYTHON", sys.executable))
@@ -80,6 +81,18 @@ def swap_low_high(t):
     t["fc.weight"] = torch.cat([w[:, 2 * h:], w[:, h:2 * h], w[:, :h]], dim=1).contiguous()
 
 
+def spread_norm(t):
+    """The final norm's weights times a fixed shuffle of 0.25..2: far from uniform, as a trained head's can be."""
+    n = t["norm.weight"]
+    scale = torch.linspace(0.25, 2.0, len(n))[torch.randperm(len(n), generator=torch.Generator().manual_seed(0))]
+    t["norm.weight"] = (n * scale.to(n.dtype)).contiguous()
+
+
+def counts(fmt: dict, engine: str) -> tuple:
+    """One engine's speculative counters for a head: drafts and acceptance at each draft position."""
+    return fmt[f"{engine}_drafts"], fmt[f"{engine}_accept_by_pos"]
+
+
 def sglang_ids_only(c):
     """Our export before the interop check: SGLang's ids (outputs of layers) only, which vLLM falls back on
     and reads as inputs of layers, one layer early."""
@@ -95,7 +108,8 @@ def test_vllm_agrees_on_good_heads_and_sees_broken_ones(vllm_python, tiny_target
              "sglang_ids_only": rewrite(good / "head_sglang", tmp_path / "ids", config_fn=sglang_ids_only)}
     r = check_vllm.main(["--target", str(tiny_target), "--heads", *[f"{k}={v}" for k, v in heads.items()],
                          "--vllm-python", str(vllm_python), "--data", str(data_dir), "--n", "12",
-                         "--max-new-tokens", "48", "--work-dir", str(tmp_path / "work")])
+                         "--max-new-tokens", "48", "--work-dir", str(tmp_path / "work"),
+                         "--threads", str(TEST_THREADS)])
     f = r["formats"]
     for name in ("sglang", "speculators"):
         assert f[name]["aux_layers_agree"] and f[name]["vllm_aux_source"] == "config", (name, f[name])
@@ -107,11 +121,15 @@ def test_vllm_agrees_on_good_heads_and_sees_broken_ones(vllm_python, tiny_target
     assert f["sglang"]["vllm_tau"] == f["speculators"]["vllm_tau"]  # same tensors, same layers
     good_tau = f["sglang"]["vllm_tau"]
     assert f["wrong_d2t"]["vllm_tau"] < 1 + 0.5 * (good_tau - 1), f["wrong_d2t"]
-    assert f["aux_order"]["vllm_tau"] < good_tau, f["aux_order"]
+    # Other aux states decode otherwise (other drafts accepted); whether worse or better depends on how much
+    # this tiny head leans on them, which differs by CPU: a low/high swap 1.669 vs 1.752 and states one layer
+    # early 1.849 vs 1.752 on an AVX2 EPYC whose tiny target trains in fp32 (bf16 autocast elsewhere).
+    assert counts(f["aux_order"], "vllm") != counts(f["sglang"], "vllm"), f["aux_order"]
+    assert counts(f["aux_order"], "vllm") == counts(f["aux_order"], "ours"), f["aux_order"]  # ours sees it too
     old = f["sglang_ids_only"]
     assert not old["aux_layers_agree"] and not r["ok"]["aux_layers_agree"]
     assert old["vllm_aux_layers"] == [k - 1 for k in old["ours_aux_layers"]], old  # one layer early
-    assert old["vllm_tau"] < old["ours_tau"], old
+    assert counts(old, "vllm") != counts(old, "ours"), old
     # Speculation never changes vLLM's greedy output, broken head or not; and vLLM's plain greedy is ours.
     assert r["vllm_spec_vs_vanilla_match_rate"] >= 0.9 and r["vllm_vanilla_vs_ours_match_rate"] >= 0.9
 
@@ -138,18 +156,24 @@ def test_vllm_runs_an_eagle31_head_as_we_do(vllm_python, tiny_target, pipeline_r
     conf = json.loads((head / "config.json").read_text())
     assert (conf["norm_before_fc"], conf["norm_before_residual"], conf["norm_output"], conf["fc_norm"]) == \
         (True, True, True, False)
-    dropped = rewrite(head, tmp_path / "dropped", config_fn=lambda c: c.update(norm_output=False))
-    r = check_vllm.main(["--target", str(tiny_target), "--heads", f"eagle31={head}", f"dropped={dropped}",
-                         "--vllm-python", str(vllm_python), "--data", str(data_dir), "--n", "12",
-                         "--max-new-tokens", "48", "--no-vanilla", "--work-dir", str(tmp_path / "work")])
-    f, d = r["formats"]["eagle31"], r["formats"]["dropped"]
+    # norm_output feeds the next step norm(x) * w instead of x, and hidden_norm renormalizes it: only how far
+    # the final norm's weights are from uniform can change a draft. The trained ones may be too close for any
+    # draft to change (2.0598 both ways on an AVX2 EPYC), so the flag is judged on spread-out weights.
+    spread = rewrite(head, tmp_path / "spread", tensors_fn=spread_norm)
+    dropped = rewrite(head, tmp_path / "dropped", tensors_fn=spread_norm,
+                      config_fn=lambda c: c.update(norm_output=False))
+    r = check_vllm.main(["--target", str(tiny_target), "--heads", f"eagle31={head}", f"spread={spread}",
+                         f"dropped={dropped}", "--vllm-python", str(vllm_python), "--data", str(data_dir), "--n", "12",
+                         "--max-new-tokens", "48", "--no-vanilla", "--work-dir", str(tmp_path / "work"),
+                         "--threads", str(TEST_THREADS)])
+    f, w, d = (r["formats"][k] for k in ("eagle31", "spread", "dropped"))
     assert f["aux_layers_agree"] and 0.9 <= f["tau_ratio"] <= 1.1, f
     assert f["text_match_rate"] >= 0.9, f["mismatches"]
     assert f["vllm_tau"] > 1.6, f
     # the option is read, not ignored: the same tensors with it off decode otherwise in vLLM (an engine that
-    # ignored it would give the very same counts), and our engine follows the flag too. The drop is small:
-    # hidden_norm renormalizes the fed-back state, so only the final norm's weights differ (1.906 vs 1.921).
-    assert d["vllm_tau"] != f["vllm_tau"] and 0.9 <= d["tau_ratio"] <= 1.1, (d, f["vllm_tau"])
+    # ignored it would give the very same counts), and our engine follows the flag too
+    assert all(0.9 <= x["tau_ratio"] <= 1.1 for x in (w, d)), (w, d)
+    assert counts(d, "vllm") != counts(w, "vllm") and counts(d, "ours") != counts(w, "ours"), (d, w)
 
 
 def test_vllm_dflash_context_norm_patch_still_needed_and_right(vllm_python):
@@ -181,7 +205,8 @@ def test_vllm_runs_our_dflash_head_as_we_do(vllm_python, tiny_target, tiny_dflas
     head = tiny_dflash_head / "head_dflash"
     r = check_vllm.main(["--target", str(tiny_target), "--heads", f"dflash={head}", "--vllm-python",
                          str(vllm_python), "--data", str(data_dir), "--n", "12", "--k", "4",
-                         "--max-new-tokens", "48", "--work-dir", str(tmp_path / "work")])
+                         "--max-new-tokens", "48", "--work-dir", str(tmp_path / "work"),
+                         "--threads", str(TEST_THREADS)])
     f = r["formats"]["dflash"]
     assert "dflash context-key norm patch applied: True" in (tmp_path / "work" / "vllm.log").read_text()
     assert f["aux_layers_agree"], f
