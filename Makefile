@@ -53,7 +53,7 @@ demo: $(STAMP)
 	@$(PY) tools/demo_summary.py --demo $(DEMO) --seconds $$(( $$(date +%s) - $$(cat $(DEMO)/.started) ))
 
 # The interop test judges our heads in vLLM: it fails, not skips, when vLLM does not import. Two pytest-xdist
-# workers: the tests on the session's Ray run in order on one, the rest beside them (tests/conftest.py).
+# workers, one torch thread each; the tests on pipeline_run's shards run in order on one (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	EAGLERAY_REQUIRE_VLLM=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
