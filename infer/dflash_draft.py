@@ -1,4 +1,4 @@
-"""The DFlash draft side (ARCHITECTURE.md §12) on the decode loop's draft interface (infer/draft.py's
+"""The DFlash draft side (ARCHITECTURE.md §14) on the decode loop's draft interface (infer/draft.py's
 DraftRunner: reset, ingest, build_tree, levels, table, cache.committed).
 
 `ingest` turns the target's aux states of committed positions into every layer's context K/V, at cache

@@ -12,10 +12,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from infer import fused_layer
-from infer.packed_linear import PackedLinear, with_packed_linears
+from infer import cpu
+from infer.cpu.fused import extension as fused_extension
+from infer.cpu.packed import NotPacked, PackedLinear, with_packed_linears
+from infer.cpu.scripted import draft_inputs, draft_outputs
 from infer.round_cost import RoundPlan, cost_width
-from infer.scripted_layer import draft_inputs, draft_outputs
 from infer.tree import Tree
 from infer.tree_tensor import CandidateTable, finalize_tensor, rerank_tensor
 from trainer.head import Eagle3Head
@@ -47,21 +48,18 @@ class DraftCache:
 
 
 class DraftRunner:
-    def __init__(self, head: Eagle3Head, embed: torch.Tensor):
-        self.head = with_packed_linears(head.eval())  # bf16 on oneDNN: weights packed once
-        if self.head is not head:  # packed: the projections that read one input become one call each
-            attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
-            packed = self.head.midlayer
-            packed.self_attn.fused_qkv = PackedLinear.pack_fused([attn.q_proj, attn.k_proj, attn.v_proj])
-            packed.mlp.fused_gate_up = PackedLinear.pack_fused([mlp.gate_proj, mlp.up_proj])
+    """The EAGLE-3 head on its path (infer/cpu/__init__.py): its own modules (cpu_path generic), or as far
+    up packed, scripted and fused as this machine's probes allow; `path` says which and why."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, cpu_path: str = "auto"):
+        self.head = head.eval()
         self.embed = embed
         attn = head.midlayer.self_attn
         self.cache = DraftCache(attn.kv_heads, attn.head_dim, embed)
-        self.fused = None  # the scripted halves' probe below runs without the C++ ones
-        self.script_args = self._script_args() if self.head is not head else None
-        # The scripted halves as one C++ call each where that extension builds here and keeps their bits
-        # (infer/fused_layer.py); None: the TorchScript halves.
-        self.fused = self._fused()
+        # What `pack`, `script` and `fuse` set: the head with oneDNN-packed linears (a copy), the scripted
+        # halves' arguments, the C++ halves. None: the modules' step / the TorchScript halves.
+        self.script_args = self.fused = None
+        self.path = cpu.choose_draft(self, cpu_path)
         self.level_logits: list[torch.Tensor] = []  # the last tree's draft logits per level (tests read it)
         self.levels = 0  # draft levels the last tree grew (the root's children count as one)
         self.table: CandidateTable | None = None  # the last tree's candidates, kept or not
@@ -73,11 +71,11 @@ class DraftRunner:
     def cached(self) -> int:
         return self.cache.committed
 
-    def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int, mask: torch.Tensor,
-              last_only: bool = False):
+    def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
+              mask: torch.Tensor, last_only: bool = False):
         """m elements written at cache slots [slot, slot + m), attending to slots [0, slot + m) under
-        mask [m, slot + m] bool. -> (states [m, H] (the head's `finish`), logits [m, Vd], or [1, Vd] for the last
-        element when last_only)."""
+        mask [m, slot + m] bool. -> (states [m, H] (the head's `finish`), logits [m, Vd], or [1, Vd] for
+        the last element when last_only)."""
         emb = F.embedding(tokens, self.embed)[None]
         end = slot + len(tokens)
         if self.script_args is None:
@@ -90,7 +88,8 @@ class DraftRunner:
                 q = self.fused.draft_inputs(h[None], emb, *inputs[:4], cos, sin, *inputs[4:], self.cache.k[0],
                                             self.cache.v[0], slot)
             else:
-                q, k, v = draft_inputs(h[None], emb, *inputs[:4], cos[:, :, None], sin[:, :, None], *inputs[4:])
+                q, k, v = draft_inputs(h[None], emb, *inputs[:4], cos[:, :, None], sin[:, :, None],
+                                       *inputs[4:])
         if self.fused is None:  # the fused draft_inputs wrote them already
             self.cache.write(slot, k, v)
         kk, vv = self.cache.upto(end)
@@ -102,19 +101,45 @@ class DraftRunner:
         x = self.head.finish(h[None], out)[0]
         return x, self.head.logits(x[-1:] if last_only else x)
 
+    def pack(self) -> str | None:
+        """Pack the head's linears for oneDNN (a copy; the projections that read one input become one call
+        each); why not, or None when packed."""
+        try:
+            packed = with_packed_linears(self.head)
+            attn, mlp = self.head.midlayer.self_attn, self.head.midlayer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            packed.midlayer.self_attn.fused_qkv = PackedLinear.pack_fused(qkv)
+            packed.midlayer.mlp.fused_gate_up = PackedLinear.pack_fused([mlp.gate_proj, mlp.up_proj])
+        except NotPacked as err:
+            return str(err)
+        self.head = packed
+        return None
+
+    def script(self) -> str | None:
+        """Step through the scripted halves (infer/cpu/scripted.py); why not, or None when they run."""
+        self.script_args, why = self._script_args()
+        return why
+
+    def fuse(self) -> str | None:
+        """Step through the C++ halves (infer/cpu/fused.py); why not, or None when they run."""
+        self.fused, why = self._fused()
+        return why
+
     @torch.no_grad()
-    def _script_args(self) -> tuple | None:
-        """What the scripted halves of the head's layer take (infer/scripted_layer.py) when every linear
-        is packed and a probe step gives the modules' bits; else None (the modules' path)."""
+    def _script_args(self) -> tuple[tuple | None, str | None]:
+        """(what the scripted halves of the head's layer take, None) when every linear is packed and a
+        probe step gives the modules' bits; else (None, why not)."""
         layer, head = self.head.midlayer, self.head
         if head.config.norm_before_residual or head.config.norm_output:
-            return None  # the scripted halves are EAGLE-3's residual and pre-norm state: the modules' path
+            # the scripted halves are EAGLE-3's residual and pre-norm state
+            return None, "norm_before_residual / norm_output: the scripted halves have neither"
         parts = (layer.self_attn.fused_qkv, layer.self_attn.o_proj, layer.mlp.fused_gate_up,
                  layer.mlp.down_proj, head.lm_head)
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)
-        if not all(isinstance(p, PackedLinear) and p.bias is None for p in parts) or \
-                len({n.eps for n in norms}) != 1:
-            return None
+        if not all(isinstance(p, PackedLinear) and p.bias is None for p in parts):
+            return None, "a linear is unpacked or has a bias"
+        if len({n.eps for n in norms}) != 1:
+            return None, "the head's norms differ in eps"
         attn = layer.self_attn
         args = ((layer.input_layernorm.weight, layer.hidden_norm.weight, float(norms[0].eps), parts[0].packed,
                  attn.heads, attn.kv_heads, attn.head_dim),
@@ -128,41 +153,48 @@ class DraftRunner:
         want = self._step(h, tokens, pos, 0, mask)
         self.script_args = args
         got = self._step(h, tokens, pos, 0, mask)
-        same = all(torch.equal(a, b) for a, b in zip(got, want))
-        return args if same else None
+        self.script_args = None
+        if all(torch.equal(a, b) for a, b in zip(got, want)):
+            return args, None
+        return None, "the scripted step's probe differs from the modules' step"
 
     @torch.no_grad()
     def _fused(self):
-        """The C++ halves (infer/fused_layer.py) when the head's layer is scripted, the extension is built
-        here and probe steps through them (4 elements after 3 cached ones, then 1 with last_only) give the
-        scripted steps' outputs and cache bit for bit; else None."""
-        halves = fused_layer.module() if self.script_args is not None else None
+        """(the C++ halves (infer/cpu/fused.py), None) when the head's layer is scripted, the extension is
+        built here and probe steps through them (4 elements after 3 cached ones, then 1 with last_only)
+        give the scripted steps' outputs and cache bit for bit; else (None, why not)."""
+        if self.script_args is None:
+            return None, "the layer is not scripted"
+        halves, why = fused_extension()
         if halves is None:
-            return None
+            return None, why
         gen = torch.Generator().manual_seed(1)
         h = torch.randn(4, self.embed.shape[1], generator=gen).to(self.embed)
         cached = torch.randn(1, self.cache.k.shape[1], 3, self.cache.k.shape[3], generator=gen).to(self.embed)
         tokens, pos = torch.tensor([4, 5, 6, 7]), torch.arange(3, 7)
         mask = torch.ones(4, 7, dtype=torch.bool)
         mask[:, 3:] = torch.ones(4, 4, dtype=torch.bool).tril()
-        runs = []
+        runs, why = [], None
         for fused in (None, halves):
             self.fused = fused
             self.cache.write(0, cached, cached)
             try:
-                run = [*self._step(h, tokens, pos, 3, mask), *self._step(h[:1], tokens[:1], pos[:1], 3, mask[:1, :4],
-                                                                          last_only=True)]
-            except RuntimeError:  # a layout the C++ halves refuse
-                runs = []
+                run = [*self._step(h, tokens, pos, 3, mask),
+                       *self._step(h[:1], tokens[:1], pos[:1], 3, mask[:1, :4], last_only=True)]
+            except RuntimeError as err:  # a layout the C++ halves refuse
+                why = f"the fused layer refuses this head: {str(err).splitlines()[0][:120]}"
                 break
             runs.append(run + [self.cache.k[:, :, :7].clone(), self.cache.v[:, :, :7].clone()])
         self.fused, self.cache.committed = None, 0
-        return halves if len(runs) == 2 and all(torch.equal(a, b) for a, b in zip(*runs)) else None
+        if why is None and not all(torch.equal(a, b) for a, b in zip(*runs)):
+            why = "the fused layer's probe differs from the TorchScript halves on this CPU"
+        return (None, why) if why is not None else (halves, None)
 
     @torch.no_grad()
     def ingest(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):
         """Commit elements for target positions `positions` (features aux [n, 3Ht], next tokens [n]).
-        Returns the last element's state (the head's `finish`) and logits (they propose the next token's children)."""
+        Returns the last element's state (the head's `finish`) and logits (they propose the next token's
+        children)."""
         n, c = len(next_tokens), self.cache.committed
         h = self.head.features(aux.to(self.embed.dtype))
         mask = torch.ones(n, c + n, dtype=torch.bool, device=h.device)
@@ -183,8 +215,9 @@ class DraftRunner:
         dev, d2t, c = root_hidden.device, self.head.d2t, self.cache.committed
         table = CandidateTable.empty(CandidateTable.capacity(top_k, depth), dev)
         n_elem = (depth - 1) * top_k
-        elem_of = torch.full((table.tokens.numel(),), -1, dtype=torch.long, device=dev)  # candidate -> element
-        anc = torch.zeros(n_elem + 1, n_elem, dtype=torch.bool, device=dev)  # element's ancestors; last row: none
+        # candidate -> element; each element's ancestors (the last row: none)
+        elem_of = torch.full((table.tokens.numel(),), -1, dtype=torch.long, device=dev)
+        anc = torch.zeros(n_elem + 1, n_elem, dtype=torch.bool, device=dev)
         hid = root_hidden.new_empty((n_elem + 1, root_hidden.shape[-1]))     # element outputs; last row: root
         hid[n_elem] = root_hidden
 
@@ -211,7 +244,8 @@ class DraftRunner:
             mask = torch.ones(m, c + e + m, dtype=torch.bool, device=dev)
             mask[:, c:c + e] = rows[:, :e]
             mask[:, c + e:] = torch.eye(m, dtype=torch.bool, device=dev)
-            x, logits = self._step(hid[pe], table.tokens[frontier], last_pos + table.depths[frontier], c + e, mask)
+            x, logits = self._step(hid[pe], table.tokens[frontier], last_pos + table.depths[frontier], c + e,
+                                   mask)
             elem_of[frontier] = torch.arange(e, e + m, device=dev)
             hid[e:e + m] = x
             e += m
@@ -222,5 +256,5 @@ class DraftRunner:
             scores = torch.sort(table.scores[:table.n], descending=True).values
             base = plan.base_ms + (levels - 1) * plan.level_ms
             total_tokens = 1 + cost_width(scores, base, plan.node_ms, total_tokens - 1)
-        self.levels, self.table = levels, table  # tools/replay_sizing.py reads every candidate
+        self.levels, self.table = levels, table
         return finalize_tensor(root_token, table, rerank_tensor(table, total_tokens))

@@ -15,54 +15,63 @@ from pydantic import Field
 from infer.generate import SpecSettings
 from pipeline.cluster import ensure_ray
 from pipeline import storage
-from pipeline.yaml_config import (ExistingPath, InputLocation, Location, StrictModel, config_arguments, errors_exit,
-                                  load_or_exit)
+from pipeline.yaml_config import (ExistingPath, InputLocation, Location, ModelDtype, StrictModel,
+                                  config_arguments, errors_exit, load_or_exit)
 
 
 class Bench(StrictModel):
-    name: str
-    kind: Literal["mt_bench", "gsm8k", "ceval", "jsonl"]
-    path: ExistingPath          # question.jsonl / test.jsonl / the ceval folder / a jsonl of prompts
-    limit: int | None = Field(None, gt=0)
-    few_shot: int = Field(0, ge=0)  # C-Eval dev examples in the prompt
+    name: str = Field(description="the benchmark's name in the report")
+    kind: Literal["mt_bench", "gsm8k", "ceval", "jsonl"] = Field(description="the file's layout")
+    path: ExistingPath = Field(description="question.jsonl, test.jsonl, the C-Eval folder or prompts' jsonl")
+    limit: int | None = Field(None, gt=0, description="items used; null: all")
+    few_shot: int = Field(0, ge=0, description="C-Eval dev examples in the prompt")
 
 
 class Sweep(StrictModel):
-    enabled: bool = False
-    top_k: list[int] = [2, 4]
-    depth: list[int] = [4, 6]
-    total_tokens: list[int] = [8, 16]
-    prompts: int = Field(6, gt=0)  # per benchmark
+    enabled: bool = Field(False, description="also decode a grid of tree shapes on a few prompts")
+    top_k: list[int] = Field([2, 4], description="the grid's top_k values")
+    depth: list[int] = Field([4, 6], description="the grid's depths")
+    total_tokens: list[int] = Field([8, 16], description="the grid's total_tokens")
+    prompts: int = Field(6, gt=0, description="prompts per benchmark in each grid point")
 
 
 class EvalConfig(StrictModel):
-    target: ExistingPath
-    head: InputLocation                   # a head folder or a URI (pipeline/storage.py)
-    out_dir: Location = Path("runs/eval")  # report.json, report.md, plots: a folder or a URI
-    benchmarks: list[Bench]
-    decode: SpecSettings = SpecSettings()  # mode tree (or chain); vanilla runs beside it with the same limits
-    dtype: Literal["float32", "bfloat16"] = "float32"  # target + head; bf16 on CPU: packed oneDNN linears
+    target: ExistingPath = Field(description="the target's Hugging Face folder")
+    head: InputLocation = Field(description="a head folder or a URI")
+    out_dir: Location = Field(Path("runs/eval"), description="report.json, report.md, plots: folder or URI")
+    benchmarks: list[Bench] = Field(description="the benchmarks to run")
+    decode: SpecSettings = SpecSettings()
+    dtype: ModelDtype = Field("auto", description="target and head")
     sweep: Sweep = Sweep()
-    num_actors: int = Field(1, gt=0)
-    cpus_per_actor: float = Field(1, gt=0)
-    gpus_per_actor: float = Field(0, ge=0)
-    threads_per_actor: int | None = None
-    resources_per_actor: dict[str, float] = {}  # custom Ray resources, e.g. {eagleray_worker: 1}
-    ray_address: str | None = None
+    num_actors: int = Field(1, gt=0, description="Ray actors, each with a target and head")
+    cpus_per_actor: float = Field(1, gt=0, description="Ray CPUs per actor")
+    gpus_per_actor: float = Field(0, ge=0, description="Ray GPUs per actor")
+    threads_per_actor: int | None = Field(None, description="torch threads of an actor; null: its Ray CPUs")
+    resources_per_actor: dict[str, float] = Field(
+        {}, description="custom Ray resources, e.g. {eagleray_worker: 1}")
+    ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
 
 
 class EvalWorker:
     """Ray actor: one target + head; runs vanilla and speculative decoding on whole items."""
 
-    def __init__(self, target: str, head: str, threads: int | None, use_gpu: bool, dtype: str = "float32"):
+    def __init__(self, target: str, head: str, threads: int | None, use_gpu: bool, dtype: str = "auto",
+                 cpu_path: str = "auto"):
         import torch
 
         from infer.generate import EagleGenerator
+        from pipeline.target import torch_dtype
 
         if threads:
             torch.set_num_threads(threads)
-        self.gen = EagleGenerator.from_folders(target, storage.Mirror.folder(head, "eval"), dtype=getattr(torch, dtype),
-                                               device="cuda" if use_gpu else "cpu")
+        device = "cuda" if use_gpu else "cpu"
+        self.gen = EagleGenerator.from_folders(target, storage.Mirror.folder(head, "eval"),
+                                               dtype=torch_dtype(dtype, device), device=device,
+                                               cpu_path=cpu_path)
+
+    def path_line(self) -> str:
+        """The generator's start-up line: which path the target and the head run, and why."""
+        return self.gen.path_line
 
     def run(self, bench: str, item: dict, settings: dict) -> list[dict]:
         tok, recs, history = self.gen.tokenizer, [], []
@@ -118,7 +127,9 @@ def evaluate(cfg: EvalConfig) -> dict:
                         resources=cfg.resources_per_actor)(EvalWorker)
     head = cfg.head if storage.is_uri(cfg.head) else str(cfg.head.resolve())
     actors = [worker.remote(str(cfg.target.resolve()), head, cfg.threads_per_actor,
-                            cfg.gpus_per_actor > 0, cfg.dtype) for _ in range(cfg.num_actors)]
+                            cfg.gpus_per_actor > 0, cfg.dtype, cfg.decode.cpu_path)
+              for _ in range(cfg.num_actors)]
+    print(f"eval: {ray.get(actors[0].path_line.remote())}", flush=True)
     pool = ActorPool(actors)
     settings = cfg.decode.model_dump()
     jobs = [(name, it) for name, its in items.items() for it in its]

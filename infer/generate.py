@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from infer import cpu
 from infer.draft import DraftRunner
 from infer.round_cost import DraftGate, RoundCosts, measure_round_costs
 from pipeline.target import default_aux_layers, num_layers
@@ -33,25 +34,30 @@ log = logging.getLogger(__name__)
 class TreeShape(StrictModel):
     """What a deployment fixes (serve's `speculative:` section). `depth` = draft levels (SGLang
     --speculative-num-steps), `total_tokens` = nodes verified per round, the root included
-    (--speculative-num-draft-tokens); docs/ARCHITECTURE.md §6. Official EAGLE's (top_k, depth,
+    (--speculative-num-draft-tokens); docs/ARCHITECTURE.md §8. Official EAGLE's (top_k, depth,
     total_token) = our (top_k, depth + 1, total_token + 1): `SpecSettings.from_eagle`."""
-    mode: Literal["tree", "chain", "vanilla"] = "tree"
-    top_k: int = Field(4, gt=0)
-    depth: int = Field(5, gt=0)
-    total_tokens: int = Field(16, gt=1)
-    # cost: depth and total_tokens are caps; each round grows and verifies what this machine's measured
-    # costs pay for (infer/round_cost.py). fixed: the shape as given, every round.
-    sizing: Literal["fixed", "cost"] = "fixed"
+    mode: Literal["tree", "chain", "vanilla"] = Field("tree", description="draft a tree, a chain, or nothing")
+    top_k: int = Field(4, gt=0, description="tree: children kept per node")
+    depth: int = Field(5, gt=0, description="draft levels per round")
+    total_tokens: int = Field(16, gt=1, description="tree: nodes verified per round, the root included")
+    # cost: each round grows and verifies what this machine's measured costs pay for (infer/round_cost.py)
+    sizing: Literal["fixed", "cost"] = Field(
+        "fixed", description="fixed: the shape every round; cost: depth and total_tokens are caps")
+    # auto: the fastest path whose probes keep the generic path's bits here (infer/cpu/: the lean target,
+    # packed, scripted, fused); generic: the HF forward and the head's own modules. Read when the model
+    # loads (eval's workers, serve's replicas); the start-up line `cpu path: ...` names the pick.
+    cpu_path: Literal["auto", "generic"] = Field(
+        "auto", description="CPU: auto, the fastest path bit-identical here (infer/cpu/); generic: plain HF")
 
 
 class SpecSettings(TreeShape):
     """One decode: the tree shape plus what each request chooses (eval's `decode:` section, the tools'
     flags and the serve handlers all build this one model)."""
-    max_new_tokens: int = Field(128, gt=0)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: list[str] = []
+    max_new_tokens: int = Field(128, gt=0, description="tokens generated at most")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; above: lossless speculative sampling")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    seed: int | None = Field(None, description="sampling seed; null: unseeded")
+    stop: list[str] = Field([], description="strings that end the generation")
 
     @classmethod
     def from_eagle(cls, top_k: int, depth: int, total_token: int, **kw) -> "SpecSettings":
@@ -95,7 +101,7 @@ class SpecStats:
 
     @staticmethod
     def pooled_tau(stats: list["SpecStats"]) -> float:
-        """tau over many decodes: all their tokens over all their verify forwards (ARCHITECTURE.md §6)."""
+        """tau over many decodes: all their tokens over all their verify forwards (ARCHITECTURE.md §8)."""
         return sum(s.new_tokens for s in stats) / max(1, sum(s.rounds for s in stats))
 
     @property
@@ -123,21 +129,27 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
     return torch.softmax(scores, dim=-1)
 
 
-def draft_runner(head, embed: torch.Tensor):
+def draft_runner(head, embed: torch.Tensor, cpu_path: str = "auto"):
     """The draft side of the loop for the head's kind: EAGLE-3's DraftRunner or DFlash's block runner."""
     if head.config.kind == "dflash":
         from infer.dflash_draft import DFlashRunner
         return DFlashRunner(head, embed)
-    return DraftRunner(head, embed)
+    return DraftRunner(head, embed, cpu_path)
 
 
 class EagleGenerator:
-    def __init__(self, target, tokenizer, head, aux_layer_ids: list[int], lean: bool = True,
+    def __init__(self, target, tokenizer, head, aux_layer_ids: list[int], cpu_path: str = "auto",
                  exact_verify: bool = True):
-        self.target = TargetRunner(target, aux_layer_ids, lean, exact_verify)
+        """cpu_path: "auto" or "generic" (TreeShape.cpu_path); the pick is logged as one line."""
+        self.target = TargetRunner(target, aux_layer_ids, cpu_path, exact_verify)
         self.tokenizer = tokenizer
         embed = target.get_input_embeddings().weight.detach()
-        self.draft = draft_runner(head.to(embed.device, embed.dtype), embed) if head is not None else None
+        self.draft, draft_path = None, None
+        if head is not None:
+            self.draft = draft_runner(head.to(embed.device, embed.dtype), embed, cpu_path)
+            draft_path = getattr(self.draft, "path", cpu.Path("generic", "DFlash heads have no fast path"))
+        self.cpu_path = cpu_path
+        self.path_line = cpu.log_paths(self.target.path, draft_path)
         eos = target.generation_config.eos_token_id if target.generation_config else None
         eos = eos if eos is not None or tokenizer is None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -152,12 +164,12 @@ class EagleGenerator:
 
     @classmethod
     def from_folders(cls, target_dir: str | Path, head_dir: str | Path | None, dtype=torch.float32, device="cpu",
-                     lean: bool = True, exact_verify: bool = True):
+                     cpu_path: str = "auto", exact_verify: bool = True):
         from transformers import AutoTokenizer
 
         from pipeline.target import load_model
         from trainer.export import import_head
-        from trainer.head import build_head
+        from trainer.kinds import build_head
 
         target, _ = load_model(target_dir, dtype, device.startswith("cuda"))
         tok = AutoTokenizer.from_pretrained(target_dir)
@@ -168,7 +180,7 @@ class EagleGenerator:
             head = build_head(hcfg)
             head.load_state_dict(state, strict=False)
             head.set_vocab(state["d2t"], state["t2d"])
-        return cls(target, tok, head, aux or default_aux_layers(n_layers), lean, exact_verify)
+        return cls(target, tok, head, aux or default_aux_layers(n_layers), cpu_path, exact_verify)
 
     def _pick(self, logits: torch.Tensor, s: SpecSettings, gen: torch.Generator | None) -> int:
         if s.temperature <= 0:
@@ -203,6 +215,9 @@ class EagleGenerator:
     def stream(self, prompt_ids: list[int], s: SpecSettings = SpecSettings()):
         """Yields a Generation after the prefill and after every round (tokens so far, stats, finish
         reason None until the last). Closing the iterator stops decoding between rounds."""
+        if s.cpu_path != "auto" and s.cpu_path != self.cpu_path:  # the path is fixed when the model loads
+            raise ValueError(f"cpu_path: {s.cpu_path} needs a generator built with it "
+                             f"(EagleGenerator(..., cpu_path={s.cpu_path!r})); this one runs {self.cpu_path}")
         mode = s.mode if self.draft is not None else "vanilla"
         if s.sizing == "cost" and mode != "vanilla":  # measured once, before this decode's clock starts
             self.round_costs(1 if mode == "chain" else s.top_k)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def aggregate(records: list[dict], depth: int) -> dict:
-    """Records (one per benchmark item turn) -> figures. tau is pooled (ARCHITECTURE.md §6): all generated tokens
+    """Records (one per benchmark item turn) -> figures. tau is pooled (ARCHITECTURE.md §8): all generated tokens
     over all verify forwards of the benchmark, bonus tokens included."""
     out = {}
     for bench in dict.fromkeys(r["bench"] for r in records):

@@ -1,5 +1,5 @@
 """Cost-sized draft trees: each round grows and verifies only what this machine's measured costs pay for
-(docs/ARCHITECTURE.md "Cost-sized trees").
+(docs/ARCHITECTURE.md §8 "Cost-sized trees").
 
 A fixed tree shape is right for one machine and one target: where a verified node is dear (the demo
 target in bf16 on a CPU without AMX, ~19% of a 1-token step per node) a 16-node tree verifies mostly
@@ -74,7 +74,7 @@ class RoundPlan:
 
 @dataclass
 class DraftGate:
-    """Whether the next `sizing: cost` round drafts (docs/ARCHITECTURE.md "Cost-sized trees"). Each drafting
+    """Whether the next `sizing: cost` round drafts (docs/ARCHITECTURE.md §8). Each drafting
     round reports `RoundPlan.gained`; while their moving average (weight `decay` on the past) is below 0,
     the decoder takes `backoff` plain steps (the draft idle, its inputs kept for one catch-up ingest), then
     probes with one drafting round, scored alone. A losing probe doubles the backoff (up to

@@ -8,6 +8,7 @@ The deployment is a module-level class sized by `.options()` from the YAML. No p
 FastAPI must see the handlers' real parameter types. The application is importable for `serve run infer.serve:app_from_env` too (config in $EAGLERAY_SERVE_CONFIG).
 """
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -26,51 +27,59 @@ from infer.openai_api import (SSE_DONE, ChatRequest, CompletionRequest, RequestE
 from pipeline.cluster import ensure_ray
 from pipeline.config import VllmEngine
 from pipeline import storage
-from pipeline.yaml_config import ExistingPath, InputLocation, StrictModel, config_arguments, load_or_exit
+from pipeline.yaml_config import (ExistingPath, InputLocation, ModelDtype, StrictModel, config_arguments,
+                                  load_or_exit)
 
 
 class VllmServe(VllmEngine):
     """Options of the `vllm` backend only (Ray Serve LLM running vLLM): the engine options regeneration
     uses (`max_num_seqs` is the continuous batching width) plus the ingress."""
-    ingress_num_cpus: float = Field(0, ge=0)       # the OpenAI ingress actor (needs none on CPU boxes)
-    # vLLM's dynamic speculative decoding: with more running sequences than this it drafts nothing, where
-    # continuous batching already fills the machine and verifying drafts costs throughput. None: always.
-    draft_up_to_batch: int | None = Field(None, gt=0)
+    ingress_num_cpus: float = Field(0, ge=0, description="Ray CPUs of the OpenAI ingress actor")
+    # vLLM's dynamic speculative decoding: past this many running sequences continuous batching already
+    # fills the machine and verifying drafts costs throughput.
+    draft_up_to_batch: int | None = Field(
+        None, gt=0, description="draft only while at most this many sequences run; null: always")
 
 
 class ServeConfig(StrictModel):
-    backend: Literal["eagleray", "vllm"] = "eagleray"  # eagleray: our tree decoder, batch 1 per replica;
-    #                                                    vllm: Ray Serve LLM + vLLM, continuous batching, chains
-    target: ExistingPath
-    head: InputLocation | None = None          # a head folder or URI; None: vanilla decoding of the target
-    model_name: str = "eagleray"
-    host: str = "127.0.0.1"
-    port: int = Field(8000, gt=0, lt=65536)
-    # Bearer key every /v1 request must carry (or $EAGLERAY_API_KEY); required when host is not a loopback
-    # address. The vllm backend's ingress (Ray Serve LLM) checks none: it is refused off loopback.
-    api_key: str | None = None
-    app_name: str = "eagleray"
-    route_prefix: str = "/"
-    num_replicas: int = Field(1, gt=0)
-    max_ongoing_requests: int = Field(32, gt=0)
-    num_cpus_per_replica: float = Field(1, ge=0)
-    num_gpus_per_replica: float = Field(0, ge=0)
-    resources_per_replica: dict[str, float] = {}  # custom Ray resources, e.g. {eagleray_worker: 1}
-    # Serve's HTTP proxies: one on every node (a load balancer in front), or the head node only
-    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
-    threads_per_replica: int | None = None
-    dtype: Literal["float32", "bfloat16"] = "float32"  # eagleray backend: target + head dtype
-    max_tokens_limit: int = Field(512, gt=0)
-    default_max_tokens: int = Field(128, gt=0)
-    request_timeout_s: float = Field(120, gt=0)
-    speculative: TreeShape = TreeShape()       # vllm backend: a chain of `depth` draft tokens
+    backend: Literal["eagleray", "vllm"] = Field(
+        "eagleray", description="eagleray: our tree decoder, batch 1 a replica; vllm: Ray Serve LLM, chains")
+    target: ExistingPath = Field(description="the target's Hugging Face folder")
+    head: InputLocation | None = Field(None, description="a head folder or URI; null: the target alone")
+    model_name: str = Field("eagleray", description="the model name clients send")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, gt=0, lt=65536, description="port to listen on")
+    # The vllm backend's ingress (Ray Serve LLM) checks no key: it is refused off loopback.
+    api_key: str | None = Field(None, description="Bearer key of every /v1 request (or $EAGLERAY_API_KEY); "
+                                                   "required off loopback")
+    app_name: str = Field("eagleray", description="the Ray Serve application's name")
+    route_prefix: str = Field("/", description="HTTP route prefix of the application")
+    num_replicas: int = Field(1, gt=0, description="model replicas")
+    max_ongoing_requests: int = Field(
+        32, gt=0, description="requests in flight per replica (Serve queues the rest)")
+    num_cpus_per_replica: float = Field(1, ge=0, description="Ray CPUs per replica")
+    num_gpus_per_replica: float = Field(0, ge=0, description="Ray GPUs per replica")
+    resources_per_replica: dict[str, float] = Field(
+        {}, description="custom Ray resources, e.g. {eagleray_worker: 1}")
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        "EveryNode", description="Serve's HTTP proxies: on every node (behind a load balancer) or the head's")
+    threads_per_replica: int | None = Field(
+        None, description="torch threads of a replica; null: its Ray CPUs")
+    dtype: ModelDtype = Field(
+        "auto", description="eagleray backend: target and head")
+    max_tokens_limit: int = Field(512, gt=0, description="the largest max_tokens a request may ask")
+    default_max_tokens: int = Field(128, gt=0, description="max_tokens of a request that names none")
+    request_timeout_s: float = Field(120, gt=0, description="a request still running after this fails (504)")
+    speculative: TreeShape = TreeShape()
     vllm: VllmServe = VllmServe()
-    ray_address: str | None = None
+    ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
 
     @model_validator(mode="after")
     def _dtype_of_backend(self):
-        if self.backend == "vllm" and self.dtype != "float32":
+        if self.backend == "vllm" and self.dtype != "auto":
             raise ValueError("dtype applies to the eagleray backend; the vllm backend reads vllm.dtype")
+        if self.backend == "vllm" and self.speculative.cpu_path != "auto":
+            raise ValueError("speculative.cpu_path applies to the eagleray backend")
         if self.backend == "vllm" and self.speculative.sizing != "fixed":
             raise ValueError("speculative.sizing applies to the eagleray backend; vllm drafts a fixed chain "
                              "of speculative.depth tokens")
@@ -106,12 +115,15 @@ def _load_generator(cfg: ServeConfig):
     import torch
 
     from infer.generate import EagleGenerator
+    from pipeline.target import torch_dtype
 
     if cfg.threads_per_replica:
         torch.set_num_threads(cfg.threads_per_replica)
     device = "cuda" if cfg.num_gpus_per_replica > 0 else "cpu"
     head = storage.Mirror.folder(cfg.head, "serve") if cfg.head else None  # each replica, on its node
-    gen = EagleGenerator.from_folders(cfg.target, head, dtype=getattr(torch, cfg.dtype), device=device)
+    gen = EagleGenerator.from_folders(cfg.target, head, dtype=torch_dtype(cfg.dtype, device), device=device,
+                                      cpu_path=cfg.speculative.cpu_path)
+    logging.getLogger("ray.serve").info(gen.path_line)  # the replica's log: which CPU path it runs, and why
     spec = cfg.speculative
     if spec.sizing == "cost" and gen.draft is not None:  # measured here, not on the first request
         gen.round_costs(1 if spec.mode == "chain" else spec.top_k)
@@ -277,8 +289,6 @@ def app_from_env(args: dict | None = None):
 
 
 def start(cfg: ServeConfig, blocking: bool = False):
-    import logging
-
     from ray import serve
 
     from pipeline.cluster import verbose

@@ -2,8 +2,8 @@
 
 The aux states (the pipeline's capture rule) come out of prefill and every tree verify, so the draft never
 needs a second pass over the target: from the layer loop of the lean forward (Llama-shaped targets,
-infer/lean_target.py) or from forward hooks on the decoder layers of any other HF model. Verify
-masks follow the target's attention layout (docs/ARCHITECTURE.md "Verify masks"): a sliding-window
+infer/cpu/lean.py) or from forward hooks on the decoder layers of any other HF model. Verify
+masks follow the target's attention layout (docs/ARCHITECTURE.md §8 "Verify masks"): a sliding-window
 layer must not see more of the prefix during verify than it does in prefill and in HF generate.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from infer.lean_target import LeanTarget
+from infer import cpu
 from infer.tree import Tree, verify_mask
 from pipeline.hidden import AuxTap
 from pipeline.target import CHUNKED, SLIDING, attention_layout
@@ -20,16 +20,16 @@ from pipeline.target import CHUNKED, SLIDING, attention_layout
 
 class TargetRunner:
     """One target behind one interface: `new_cache`, `forward`, `compact`. Llama-shaped targets run the
-    lean forward (infer/lean_target.py) unless `lean=False`; every other family runs the HF forward on a
-    `DynamicCache` with hooks for the aux states."""
+    lean forward (infer/cpu/lean.py) unless cpu_path is "generic"; every other family runs the HF forward
+    on a `DynamicCache` with hooks for the aux states. `path` says which runs and why (infer/cpu)."""
 
-    def __init__(self, model, aux_layer_ids: list[int], lean: bool = True, exact_verify: bool = True):
+    def __init__(self, model, aux_layer_ids: list[int], cpu_path: str = "auto", exact_verify: bool = True):
         self.model = model.eval()
         self.aux_layer_ids = list(aux_layer_ids)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.layout = attention_layout(model)  # refuses recurrent / unmaskable layouts up front
-        self.lean = LeanTarget.build(model, self.aux_layer_ids, exact_verify) if lean else None
+        self.lean, self.path = cpu.choose_target(model, self.aux_layer_ids, cpu_path, exact_verify)
         self.tap = AuxTap(model, self.aux_layer_ids) if self.lean is None else None
         # Prefill needs the last position's logits only; a full-vocab lm_head over a long prompt is a
         # large share of the prefill (SmolLM2: 49k x 576 per token). HF generate skips it the same way.
@@ -67,7 +67,8 @@ class TargetRunner:
         aux [n, 3H]); appends n rows to `cache`. mask: None (causal, the model builds it) or what
         `verify_masks` returns."""
         if self.lean is not None:
-            return self.lean.forward(tokens.to(self.device), positions.to(self.device), cache, mask, last_only)
+            tokens, positions = tokens.to(self.device), positions.to(self.device)
+            return self.lean.forward(tokens, positions, cache, mask, last_only)
         keep = {"logits_to_keep": 1} if last_only and self.keeps_last else {}
         out = self.model(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
                          attention_mask=mask, past_key_values=cache, use_cache=True, **keep)

@@ -1,4 +1,4 @@
-"""Dynamic draft trees (ARCHITECTURE.md §6) as pure functions: grow, rerank, finalize, accept, compact.
+"""Dynamic draft trees (ARCHITECTURE.md §8) as pure functions: grow, rerank, finalize, accept, compact.
 
 Node 0 of a finalized tree is the root: the last committed token, not yet in the target's KV cache.
 Nodes are kept in creation order, so every parent precedes its children and a parent's children

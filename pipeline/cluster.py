@@ -5,7 +5,7 @@ import os
 import time
 
 # Stay on 127.0.0.1 and let Ray's own clients in; Ray Train's controller polls its workers every 0.25 s,
-# not 2 s, so a run ends when its workers do (docs/ARCHITECTURE.md §9). Set before Ray starts: its
+# not 2 s, so a run ends when its workers do (docs/ARCHITECTURE.md §13). Set before Ray starts: its
 # processes inherit them.
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
@@ -33,7 +33,7 @@ _name_deepspeed_accelerator()
 
 # glibc hands a freed block of 32 MB or more straight back to the kernel (munmap) and trims its heaps, so a
 # CPU step that frees and reallocates its activations page-faults them in again, zeroed by the kernel, at
-# every step: 6-7% of a SmolLM2-shaped training step was system time (docs/ARCHITECTURE.md §9). One heap,
+# every step: 6-7% of a SmolLM2-shaped training step was system time (docs/ARCHITECTURE.md §13). One heap,
 # never trimmed, no mmap: freed memory stays in the process for the next step.
 KEEP_FREED_MEMORY = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
                      "glibc.malloc.trim_threshold=68719476736")

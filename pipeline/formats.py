@@ -1,4 +1,4 @@
-"""Corpus record formats (ARCHITECTURE.md §2): ShareGPT, UltraChat / OpenAI messages, question-answer pairs.
+"""Corpus record formats (ARCHITECTURE.md §3): ShareGPT, UltraChat / OpenAI messages, question-answer pairs.
 
 `normalise` turns one parsed record into `[{role, content}]` or a reject reason; `read_records` walks a
 .json (list), .jsonl or .parquet file and yields (line number, record or None, reason or None), so a broken line

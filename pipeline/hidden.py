@@ -1,4 +1,4 @@
-"""Target capture (ARCHITECTURE.md §3): fused low/mid/high residual states and the final-norm output.
+"""Target capture (ARCHITECTURE.md §4): fused low/mid/high residual states and the final-norm output.
 
 Aux states are the outputs of decoder layers [1, N//2-1, N-4] (HF hidden_states[j+1], the rule lives in
 pipeline/target.py); `last_hidden` is what the lm_head consumes. Forward hooks on the decoder layers take
@@ -56,7 +56,7 @@ def capture_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A GPU tensor copied to host memory in one transfer through a pinned buffer (pageable copies of
-    each row's slice ran at ~1.6 GB/s on an H200 host, docs/RESULTS.md "GPU"); a CPU tensor is returned as is."""
+    each row's slice are several times slower); a CPU tensor is returned as is."""
     if t.device.type != "cuda":
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

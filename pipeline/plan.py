@@ -1,6 +1,6 @@
 """Storage planner: bytes per token and total bytes of a capture run, before running it.
 
-Raw size is exact arithmetic ((3H + H) x bytes per value per token, fp8 scales included; ARCHITECTURE.md §2). The on-disk estimate
+Raw size is exact arithmetic ((3H + H) x bytes per value per token, fp8 scales included; ARCHITECTURE.md §3). The on-disk estimate
 captures an evenly spread sample of the real sequences in this process, writes it as a shard with the
 run's own settings, and scales its measured bytes per token to the whole token count.
 """

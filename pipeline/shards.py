@@ -1,4 +1,4 @@
-"""Hidden-state shard format (ARCHITECTURE.md §2): schema, deterministic names, signature, manifest, readers.
+"""Hidden-state shard format (ARCHITECTURE.md §3): schema, deterministic names, signature, manifest, readers.
 
 Shared by the capture stage (writer) and the trainer (reader), so both agree on every field. A shard
 folder is a path or a URI (pipeline/storage.py).

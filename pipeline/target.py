@@ -1,4 +1,4 @@
-"""What every stage needs to know about a target (docs/ARCHITECTURE.md "The target"), read in one place.
+"""What every stage needs to know about a target (docs/ARCHITECTURE.md §4), read in one place.
 
 - `TargetSpec.read(folder)`: the target's facts read once from its folder (config, tokenizer, weight files):
   layers, hidden size, vocab, architecture, context, the hashes that identify it. Every stage takes one.
@@ -8,7 +8,7 @@
 - `default_aux_layers` / `resolve_aux_layers`: the capture rule and the one check on aux layer ids.
 - `attention_layout(model)`: which layers attend to everything and which through a sliding window, and
   whether the model takes one ready mask per layer type; tree verification needs it (ARCHITECTURE.md
-  "Verify masks").
+  §8 "Verify masks").
 - `LogitRule` / `target_logits`: the target's last hidden state -> its real logits (lm_head bias, Gemma-2
   soft-capping, Cohere's logit_scale, Granite's logits_scaling), so training learns the true next-token
   distribution.
@@ -27,7 +27,8 @@ import pipeline.cluster  # noqa: F401  (environment defaults, DeepSpeed's accele
 
 log = logging.getLogger(__name__)
 
-# Storage / compute dtype names used in every YAML.
+# The configs' dtype names (pipeline/yaml_config.py ModelDtype, StorageDtype) -> torch's; fp8 is a storage
+# codec only (pipeline/codec.py).
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -71,7 +72,7 @@ class TargetSpec:
         return resolve_aux_layers(self.num_layers, layer_ids, key)
 
     def identity(self) -> dict:
-        """The fields a shard manifest carries about its target (docs/ARCHITECTURE.md §2)."""
+        """The fields a shard manifest carries about its target (docs/ARCHITECTURE.md §3)."""
         return {"target_config_sha256": self.config_sha256, "target_weights_id": self.weights_id,
                 "hidden_size": self.hidden_size, "num_layers": self.num_layers,
                 "chat_template_sha256": self.chat_template_sha256, "vocab_size": self.tokenizer_size}
@@ -99,18 +100,23 @@ def cpu_has_native_bf16() -> bool:
 def auto_dtype(device: str) -> torch.dtype:
     """What "auto" means for a target's weights in every engine: bf16 on GPU, fp32 on CPU (many CPUs
     have no native bf16, and every CPU path then runs one model). vLLM's own "auto" would downcast an
-    fp32 checkpoint to bf16 and decode another model (docs/ARCHITECTURE.md §3)."""
+    fp32 checkpoint to bf16 and decode another model (docs/ARCHITECTURE.md §4)."""
     return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def torch_dtype(name: str, device: str) -> torch.dtype:
+    """A config's dtype name (fp32, bf16, fp16, auto) -> torch's; "auto" is `auto_dtype(device)`."""
+    return auto_dtype(device) if name == "auto" else TORCH_DTYPES[name]
 
 
 def load_model(target, dtype: str | torch.dtype = "auto", use_gpu: bool = False):
     """The one target loader: AutoModelForCausalLM from a folder, eval mode, on cuda when asked and
-    present; dtype "auto" is `auto_dtype`. -> (model, device)."""
+    present; dtype a config's name (`torch_dtype`) or torch's. -> (model, device)."""
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
     if not isinstance(dtype, torch.dtype):
-        dtype = TORCH_DTYPES.get(dtype, auto_dtype(device))
+        dtype = torch_dtype(dtype, device)
     return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval(), device
 
 

@@ -1,7 +1,7 @@
 """Stage 3, tokenize: the target's chat template with an assistant-only loss mask, truncated.
 
 The mask comes from `return_assistant_tokens_mask` when the template has `{% generation %}` markers;
-otherwise assistant spans are found in the rendered conversation by their content (ARCHITECTURE.md §2):
+otherwise assistant spans are found in the rendered conversation by their content (ARCHITECTURE.md §3):
 each turn's text is located in order, and an assistant span runs from its content to the end-of-turn
 special token right after it (`<|im_end|>`, `<|eot_id|>`, `</s>`, `<end_of_turn>` ...), so the draft learns
 to stop. Anchoring on content rather than on prefix renders keeps masks right for templates that are not

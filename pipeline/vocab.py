@@ -1,4 +1,4 @@
-"""Stage 5, draft vocabulary (ARCHITECTURE.md §2): d2t / t2d from loss-masked token frequencies."""
+"""Stage 5, draft vocabulary (ARCHITECTURE.md §3): d2t / t2d from loss-masked token frequencies."""
 from __future__ import annotations
 
 import json

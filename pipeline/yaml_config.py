@@ -11,10 +11,11 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Sequence, TypeVar
+from typing import Annotated, Any, Literal, Sequence, TypeVar, get_args
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer, PlainValidator, ValidationError
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, PlainSerializer, PlainValidator,
+                      ValidationError)
 
 from pipeline import storage
 
@@ -51,6 +52,30 @@ def _input_location(value):
 _AS_STR = PlainSerializer(str, return_type=str, when_used="json")
 Location = Annotated[Path | str, PlainValidator(storage.location), _AS_STR]
 InputLocation = Annotated[Path | str, PlainValidator(_input_location), _AS_STR]
+
+# The one dtype vocabulary of every stage's config: fp32 | bf16 | fp16 | fp8 | auto (each field takes the
+# names valid there). `pipeline.target.torch_dtype` turns a name into torch's; "auto" is bf16 on GPU and fp32
+# on CPU (`pipeline.target.auto_dtype`).
+_OLD_DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+                    "float8": "fp8", "float8_e4m3fn": "fp8"}
+
+
+def _dtype(names):
+    """Literal `names`; torch's spellings (float32, bfloat16, ...) get a one-line hint, not a mismatch."""
+    valid = get_args(names)
+
+    def check(value):
+        if isinstance(value, str) and value in _OLD_DTYPE_NAMES:
+            ours = _OLD_DTYPE_NAMES[value]
+            hint = f": write {ours}" if ours in valid else ""
+            raise ValueError(f"dtypes are named {'|'.join(valid)} here{hint}")
+        return value
+    return Annotated[names, BeforeValidator(check)]
+
+
+ModelDtype = _dtype(Literal["auto", "fp32", "bf16", "fp16"])  # a model's weights and compute
+TrainDtype = _dtype(Literal["fp32", "bf16"])                  # the trainer's compute (DeepSpeed)
+StorageDtype = _dtype(Literal["bf16", "fp16", "fp32", "fp8"])  # captured hidden states
 
 T = TypeVar("T", bound=BaseModel)
 

@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tools"
-sys.path.insert(0, str(TOOLS))
+import pipeline.cluster  # noqa: F401 - sets Ray's environment (pipeline.cluster.RAY_ENV) before Ray starts
+from infer.cluster.local import S3_CREDENTIALS
 
-import pipeline.cluster  # noqa: E402,F401 - sets Ray's environment (pipeline.cluster.RAY_ENV) before Ray starts
-from local_cluster import S3_CREDENTIALS  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # The local S3 server's credentials (tests/test_storage.py), set before the session's Ray starts so its
 # workers inherit them; each test URI names the server's endpoint in its query.
@@ -31,16 +29,40 @@ if TEST_THREADS == 1:
     torch.set_num_threads(1)
 
 
+SLOW_FIXTURES = {"ray_cluster", "vllm_python"}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`), each a session with its own
     fixtures (its own local Ray when a test of it needs one). A group runs on one worker, in order: every
     test on the shards of `pipeline_run` joins one, so that fixture and the heads trained from it
     (`tiny_head`, `tiny_dflash_head`) are built once; the other tests fill both workers. Most of a Ray test's
-    wall is waiting on process starts, which leaves a core idle (docs/MEASUREMENTS.md "Test suite time")."""
+    wall is waiting on process starts, which leaves a core idle.
+
+    The tiers: a test that starts a Ray cluster (any fixture built on `ray_cluster`) or a vLLM engine is
+    slow, so `make check` (`-m "not slow"`) leaves it to `make test`."""
     for item in items:
         if "pipeline_run" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("pipeline_run"))
+        if SLOW_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder built by the first xdist worker that asks, under the run's shared temp root, and read by
+    the others: the tiny target takes a core for tens of seconds, once per run instead of once per worker
+    (one thread or two, its weights are the same bits)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            build(out)
+            done.touch()
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -56,12 +78,12 @@ def data_dir() -> Path:
 
 def start_head() -> dict:
     """A single-node Ray head (`ray start --head`, 2 CPUs, 127.0.0.1, job server on, free ports) in a temp
-    dir of its own that marks its processes (tools/local_cluster.py, the one owner of `ray start`):
+    dir of its own that marks its processes (infer/cluster/local.py, the one owner of `ray start`):
     `stop_head` then stops this cluster only (`ray stop` would kill every Ray on the machine, a CI run
     beside us included)."""
     import tempfile
 
-    from local_cluster import Node, head_markers, start_node
+    from infer.cluster.local import Node, head_markers, start_node
 
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -91,7 +113,7 @@ def actor_processes(title: str, markers: tuple[str, ...] | None = None, root: in
     of its own). Each test worker runs a Ray, so a test's kill must not land on the other worker's actor."""
     import psutil
 
-    from local_cluster import processes
+    from infer.cluster.local import processes
 
     try:
         tree = processes(markers) if markers else psutil.Process(root).children(recursive=True)
@@ -109,30 +131,29 @@ def actor_processes(title: str, markers: tuple[str, ...] | None = None, root: in
 
 def stop_head(markers: tuple[str, ...]) -> list[str]:
     """Stop every process whose command line names a marker, and their children; -> their command lines."""
-    from local_cluster import stop_processes
+    from infer.cluster.local import stop_processes
 
     return stop_processes(markers)
 
 
 @pytest.fixture(scope="session")
 def demo_corpus(tmp_path_factory) -> Path:
-    """A 0.5 MB demo corpus (train.jsonl / val.jsonl) generated once per session."""
-    import demo_corpus as dc
+    """A 0.5 MB demo corpus (train.jsonl / val.jsonl) generated once per run."""
+    from infer.demo import corpus as dc
 
-    out = tmp_path_factory.mktemp("corpus")
-    dc.main(["--out", str(out), "--seed", "0", "--size-mb", "0.5"])
-    return out
+    return built_once(tmp_path_factory, "corpus",
+                      lambda out: dc.main(["--out", str(out), "--seed", "0", "--size-mb", "0.5"]))
 
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory, demo_corpus) -> Path:
-    """The `tiny` preset target trained on the demo corpus: a real HF folder, built in ~20 s."""
-    import demo_target as dt
+    """The `tiny` preset target trained on the demo corpus: a real HF folder, built once per run (tests that
+    change it work on a copy)."""
+    from infer.demo import target as dt
 
-    out = tmp_path_factory.mktemp("tiny_target")
-    dt.main(["--out", str(out), "--preset", "tiny", f"threads={TEST_THREADS}",
-             "--corpus", str(demo_corpus / "train.jsonl")])
-    return out
+    return built_once(tmp_path_factory, "tiny_target",
+                      lambda out: dt.main(["--out", str(out), "--preset", "tiny", f"threads={TEST_THREADS}",
+                                           "--corpus", str(demo_corpus / "train.jsonl")]))
 
 
 def write_yaml(path: Path, tree: dict) -> Path:
@@ -189,7 +210,7 @@ def tiny_dflash_head(tmp_path_factory, ray_cluster, pipeline_run, tiny_target):
     """A DFlash head (2 layers, blocks of 5, every loss position an anchor, lm_head from the target's rows)
     trained briefly on the tiny target's shards: its out_dir (report.json, history.json, head_dflash/).
     240 steps leave it far below the EAGLE-3 head's acceptance (held-out sim tau ~1.58 vs 2.60) and still
-    climbing: DFlash learns slower here (docs/MEASUREMENTS.md "DFlash")."""
+    climbing: DFlash learns slower here."""
     from pipeline.yaml_config import load_config
     from trainer.config import TrainConfig
     from trainer.driver import run_training

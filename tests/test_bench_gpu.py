@@ -1,4 +1,4 @@
-"""tools/bench_gpu.py on its tiny CPU shape (the GPU run is the same code at Llama-3.1-8B shapes), and the
+"""tools/bench/gpu.py on its tiny CPU shape (the GPU run is the same code at Llama-3.1-8B shapes), and the
 device rules of the trainer's target lm_head."""
 import json
 import sys
@@ -10,8 +10,7 @@ import torch
 from pipeline.target import LogitRule
 from trainer.target_parts import TargetParts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import bench_gpu  # noqa: E402
+from tools.bench import gpu as bench_gpu
 
 
 def test_bench_gpu_tiny_shape_runs_every_section(tmp_path):
@@ -58,6 +57,7 @@ def test_bf16_lm_head_refuses_wider_hidden_states():
         parts.logits(torch.randn(3, 8))
 
 
+@pytest.mark.slow  # the profiler pass takes most of a minute
 def test_bench_gpu_runs_only_the_sections_asked_and_profiles_the_step():
     res = bench_gpu.main(["--shape", "tiny", "--device", "cpu", "--reps", "1", "--sections", "train", "--profile"])
     ran = {k for k, v in res.items() if isinstance(v, dict) and k not in ("shape", "versions", "model_speedup")}

@@ -1,4 +1,4 @@
-"""tools/bench_peers.py's data path: our shards in speculators' offline layout, and (where `make peers` built
+"""tools/bench/peers.py's data path: our shards in speculators' offline layout, and (where `make peers` built
 their environments) speculators' and SpecForge's own trainers on them, their heads read by our engine."""
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from peers import speculators_prep
+from tools.bench.peer_envs import speculators_prep
 from pipeline.codec import from_bytes
 from pipeline.shards import read_manifest
 from pipeline.vocab import load_draft_vocab
@@ -55,7 +55,7 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
     assert speculators_prep.vllm_layer_ids(prep) == [j + 1 for j in man["aux_layer_ids"]]
     assert speculators_prep.write(capture, tiny_target, tmp_path / "prep", 5) == prep  # reused, not rewritten
     # --seed reaches both trainers: ours as seed and data.seed, speculators as its --seed
-    import bench_peers
+    from tools.bench import peers as bench_peers
     args = bench_peers.parse(["--target", str(tiny_target), "--capture", str(capture), "--seed", "3"])
     args.ours_cfg = load_config(TrainConfig, args.ours_config, [f"target={tiny_target}", f"data.shards={capture}"])
     for flags in bench_peers.speculators_runs(args, prep, 256).values():
@@ -83,7 +83,7 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
     assert bench_peers.held_out_prompts(capture, 5) == [r["input_ids"][:f] for r, f in zip(held_rows, firsts)]
     assert all(f > 0 for f in firsts)
     # SpecForge: a row a step, accumulated to our rows per step; aligned to our TTT, decay and lr
-    from peers import specforge_bench
+    from tools.bench.peer_envs import specforge_bench
     per_row = specforge_bench.rows_per_step({"steps": 10}, prep, 2)
     assert per_row == round((man["rows"] - 5) * 2 / 10)
     runs = specforge_bench.runs(args.ours_cfg, per_row, 2, 3)
@@ -106,7 +106,7 @@ def test_speculators_trains_on_our_shards_and_we_decode_its_head(tmp_path, pipel
     capture = pipeline_run / "capture"
     prep = speculators_prep.write(capture, tiny_target, tmp_path / "prep", 4)
     save = tmp_path / "spec"
-    cmd = [str(PEER_PYTHON), str(ROOT / "tools/peers/speculators_train.py"), str(prep), "--speculator-type", "eagle3",
+    cmd = [str(PEER_PYTHON), str(ROOT / "tools/bench/peer_envs/speculators_train.py"), str(prep), "--speculator-type", "eagle3",
            "--verifier-name-or-path", str(tiny_target), "--draft-vocab-size", str(speculators_prep.draft_vocab_size(prep)),
            "--d2t-path", str(prep / "d2t.npy"), "--t2d-path", str(prep / "t2d.npy"), "--target-layer-ids",
            *map(str, speculators_prep.vllm_layer_ids(prep)), "--epochs", "1", "--train-data-ratio", str(speculators_prep.train_ratio(prep)),
@@ -138,7 +138,7 @@ def test_specforge_trains_on_our_shards_and_we_decode_its_head(tmp_path, pipelin
     capture = pipeline_run / "capture"
     prep = speculators_prep.write(capture, tiny_target, tmp_path / "prep", 4)
     save = tmp_path / "sf"
-    cmd = [str(SPECFORGE_PYTHON), str(ROOT / "tools/peers/specforge_train.py"), str(prep), str(save),
+    cmd = [str(SPECFORGE_PYTHON), str(ROOT / "tools/bench/peer_envs/specforge_train.py"), str(prep), str(save),
            str(tiny_target), "training.num_epochs=1", "training.ttt_length=3", "training.learning_rate=3e-3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -158,7 +158,7 @@ def test_specforge_trains_on_our_shards_and_we_decode_its_head(tmp_path, pipelin
 
 def test_speculators_loop_seconds_from_its_progress_lines(tmp_path):
     """Training epochs only: each epoch's first 100% line is training, the second its validation."""
-    import bench_peers
+    from tools.bench import peers as bench_peers
 
     log = tmp_path / "s.log"
     log.write_text("Epoch 0 100% ━━━━ 16/16  [ 0:01:06 < 0:00:00 , 3 it/s ]\n"

@@ -1,13 +1,13 @@
-"""A real three-node Ray cluster on this machine (tools/local_cluster.py) sharing a real S3 server (moto's,
+"""A real three-node Ray cluster on this machine (infer/cluster/local.py) sharing a real S3 server (moto's,
 `S3Server`): the pipeline by `ray job submit` with its corpus, run_dir and shards on S3, then again with a
 worker node's raylet killed (`kill -9`) mid-capture: the job succeeds and its manifest lists the same rows,
-tokens and per-shard row digests as the undisturbed run, each shard object once (issue 51, fault a)."""
+tokens and per-shard row digests as the undisturbed run, each shard object once."""
 import json
 
 import pytest
 
-from cluster_check import BUCKET, capture_fault, pipeline_tree, run_job, shard_digests, write_yaml
-from local_cluster import LocalCluster, S3Server
+from infer.cluster.check import BUCKET, capture_fault, pipeline_tree, run_job, shard_digests, write_yaml
+from infer.cluster.local import LocalCluster, S3Server
 from pipeline import storage
 
 pytestmark = pytest.mark.slow

@@ -27,11 +27,11 @@ def test_no_tracked_file_reaches_2_mib(repo_root):
 
 
 def test_shipped_demo_target_is_the_demo_recipe(data_dir):
-    """`make demo` copies data/demo_target only when it was trained from the demo's recipe (tools/demo_target.py
+    """`make demo` copies data/demo_target only when it was trained from the demo's recipe (infer/demo/target.py
     use_shipped): a preset changed without retraining and reshipping would make every demo train its target first."""
     import json
 
-    import demo_target as dt
+    from infer.demo import target as dt
 
     report = json.loads((data_dir / "demo_target/report.json").read_text())
     assert report["recipe"]["resolved"] == dt.PRESETS["demo1m"] and report["recipe"]["seed"] == 0

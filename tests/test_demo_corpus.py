@@ -3,7 +3,7 @@ import hashlib
 import json
 import re
 
-import demo_corpus as dc
+from infer.demo import corpus as dc
 
 
 def digest(out) -> str:

@@ -1,7 +1,7 @@
-"""The one screen `make demo` ends with, from the files each step writes (tools/demo_summary.py)."""
+"""The one screen `make demo` ends with, from the files each step writes (infer/demo/summary.py)."""
 import json
 
-from demo_summary import lines
+from infer.demo.summary import lines
 
 
 def write(path, obj):

@@ -5,7 +5,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import demo_target as dt
+from infer.demo import target as dt
 
 
 def test_tiny_preset_trains_fast_and_loss_falls(tiny_target):

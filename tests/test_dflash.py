@@ -274,17 +274,16 @@ def test_trained_dflash_head_learns_exports_and_decodes_losslessly(tiny_dflash_h
             stats.append(got.stats)
         taus[mode] = stats[0].pooled_tau(stats)
     print(taus, evals[-1]["sim_tau"])
-    # An untrained head decodes at ~1.0. The chain's tau on these corpus prompts: 1.53 with data.order runs,
-    # 1.28 / 1.33 / 1.37 with the shuffled default at data seeds 0 / 1 / 2 (docs/MEASUREMENTS.md "The order of
-    # the batches"); 1.24 (tree 1.74) with DFlash's hard labels and D-PACE at seed 0, so the bound sits below.
+    # An untrained head decodes at ~1.0. The chain's tau on these corpus prompts: 1.28 / 1.33 / 1.37 at data
+    # seeds 0 / 1 / 2; 1.24 (tree 1.74) with DFlash's hard labels and D-PACE at seed 0, so the bound sits below.
     assert taus["chain"] > 1.2 and taus["tree"] > taus["chain"], taus
 
 
 @pytest.mark.slow
 def test_sampling_with_a_dflash_tree_keeps_the_target_distribution():
     """T=0.8, top_p=0.9 on the peaked vocab-48 target: speculative draws through a random DFlash head's
-    trees vs the exact joint distribution (tools/check_sampling.py's chi-square), as for EAGLE-3."""
-    from check_sampling import peaky_llama, run_check
+    trees vs the exact joint distribution (infer/checks/sampling.py's chi-square), as for EAGLE-3."""
+    from infer.checks.sampling import peaky_llama, run_check
 
     model = peaky_llama()
     head = dflash_head(model.config, vocab=48, block=3, mask=1)

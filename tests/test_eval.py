@@ -67,7 +67,8 @@ def test_eval_report_end_to_end(tmp_path, ray_cluster, data_dir, tiny_target, ti
     for b in report["benchmarks"].values():
         assert {"tau", "speedup", "match_rate", "tau_mean", "tau_median", "accept_by_depth", "tokens_per_s_vanilla",
                 "tokens_per_s_spec", "prompts", "generated_tokens"} <= set(b)
-        assert b["match_rate"] == 1.0 and b["tau"] >= 1.0 and len(b["accept_by_depth"]) == 3
+        # tiny_head reaches chain tau ~2.4 at k=3 (conftest): a tree of 8 from it accepts well past 1.0
+        assert b["match_rate"] == 1.0 and b["tau"] > 1.5 and len(b["accept_by_depth"]) == 3
     assert report["benchmarks"]["mt_bench"]["turns"] == 4  # two questions, two turns each
     assert len(report["sweep"]) == 4
     md = (out / "report.md").read_text()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from check_sampling import random_head
+from infer.checks.sampling import random_head
 from infer.generate import EagleGenerator, SpecSettings
 from infer.tree import Candidates, accept_greedy, compaction_indices, finalize, verify_mask
 from pipeline.target import default_aux_layers
@@ -75,12 +75,13 @@ def cache_rows(gen, cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.layers[layer].keys, cache.layers[layer].values
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf_forward"])
-def test_kv_after_second_branch_equals_fresh_forward(tiny_target, lean):
+@pytest.mark.parametrize("cpu_path", ["auto", "generic"])
+def test_kv_after_second_branch_equals_fresh_forward(tiny_target, cpu_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target)
-    gen = EagleGenerator(model, tok, random_head(model.config, dtype=torch.float32), default_aux_layers(8), lean)
-    assert (gen.target.lean is not None) == lean
+    gen = EagleGenerator(model, tok, random_head(model.config, dtype=torch.float32), default_aux_layers(8),
+                         cpu_path)
+    assert (gen.target.lean is not None) == (cpu_path == "auto")
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of Kaloria?"}],
                                   add_generation_prompt=True, return_dict=True)["input_ids"]
     cache, plen = gen.target.new_cache(), len(ids)
@@ -118,8 +119,8 @@ def test_kv_after_second_branch_equals_fresh_forward(tiny_target, lean):
 @pytest.mark.slow
 def test_sampling_matches_target_distribution():
     """vocab 48 target, T=0.8, top_p=0.9: 8k speculative draws of the next 3 tokens vs the exact joint
-    distribution under the same warpers (tools/check_sampling.py: chi-square over cells expected >= 5)."""
-    from check_sampling import peaky_llama, run_check
+    distribution under the same warpers (infer/checks/sampling.py: chi-square over cells expected >= 5)."""
+    from infer.checks.sampling import peaky_llama, run_check
 
     model = peaky_llama()
     n = 8000  # 20k took 240 s of the suite on a 2-core EPYC, 12k 136-155 s; 8k still fills >= 10 cells
@@ -135,7 +136,7 @@ def test_chi_square_p_value_matches_scipy():
     """check_sampling's chi-square (torch's regularised gamma, for machines without scipy) equals scipy's."""
     import collections
 
-    from check_sampling import chi_square
+    from infer.checks.sampling import chi_square
     from scipy.stats import chisquare
 
     joint = {(0, 0, 0): 0.5, (0, 0, 1): 0.3, (1, 0, 0): 0.15, (1, 1, 1): 0.05}

@@ -142,21 +142,3 @@ def test_options_config_errors():
         Model(freeze_lm_head=True)
     assert Model(norm_output=True).head_options == {"norm_before_fc": False, "fc_norm": False,
                                                     "norm_before_residual": False, "norm_output": True}
-
-
-def test_init_std_draws_every_linear_from_a_normal_and_keeps_the_norms(target):
-    """model.init_std (trainer/head.py normal_init): each Linear weight's spread becomes std (PyTorch's
-    Kaiming-uniform start is ~2.5x wider at this width), biases zero, norm weights stay 1."""
-    from trainer.head import normal_init
-
-    torch.manual_seed(0)
-    head = Eagle3Head(head_config_from_target(target.config, VOCAB, **ALL_ON))
-    before = head.fc.weight.std().item()
-    normal_init(head, 0.02)
-    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(linears) >= 6 and before > 0.03
-    for m in linears:
-        assert abs(m.weight.std().item() - 0.02) < 0.002 and abs(m.weight.mean().item()) < 0.002
-        assert m.bias is None or not m.bias.any()
-    norms = [p for n, p in head.named_parameters() if "norm" in n]
-    assert norms and all(bool((p == 1).all()) for p in norms)

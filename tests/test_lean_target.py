@@ -1,4 +1,4 @@
-"""The lean target forward (infer/lean_target.py) is the HF forward: same logits, same aux states, same
+"""The lean target forward (infer/cpu/lean.py) is the HF forward: same logits, same aux states, same
 K/V after a tree verify and its compaction, and greedy decoding token-identical to HF generate; families
 it does not know, and models whose forward it would not reproduce, keep the HF forward."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ import torch
 import transformers as T
 
 from infer.generate import EagleGenerator, SpecSettings
-from infer.lean_target import LeanTarget, lean_unsupported
+from infer.cpu import choose_target
+from infer.cpu.lean import LeanTarget, lean_unsupported
 from infer.target import TargetRunner
 from infer.tree import Candidates, compaction_indices, finalize
 from pipeline.hidden import capture_hidden
@@ -16,8 +17,8 @@ from pipeline.target import default_aux_layers
 from trainer.head import Eagle3Head, head_config_from_target
 
 VOCAB = 320
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 LEAN = {
     "llama": lambda: T.LlamaConfig(**COMMON, head_dim=16, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -42,6 +43,10 @@ def lean_model(request):
     return request.param, tiny(LEAN[request.param]())
 
 
+def lean_of(model, aux_ids: list[int]) -> LeanTarget | None:
+    return choose_target(model, aux_ids)[0]
+
+
 def ids_of(seed: int, n: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -49,7 +54,7 @@ def ids_of(seed: int, n: int) -> torch.Tensor:
 def test_prefill_logits_and_aux_equal_hf(lean_model):
     name, model = lean_model
     aux_ids = default_aux_layers(8)
-    lean = LeanTarget.build(model, aux_ids)
+    lean = lean_of(model, aux_ids)
     assert lean is not None, name
     ids = ids_of(1, 30)
     logits, aux = lean.forward(ids, torch.arange(30), lean.new_cache())
@@ -87,7 +92,7 @@ def test_verify_and_compaction_equal_a_fresh_forward(lean_model):
 
 def test_cache_grows_past_its_capacity(lean_model):
     name, model = lean_model
-    lean = LeanTarget.build(model, default_aux_layers(8))
+    lean = lean_of(model, default_aux_layers(8))
     cache = lean.new_cache()
     cache.kv = cache.kv[:, :, :, :8].clone()  # a small capacity, so the 20-token prefill overflows it
     ids = ids_of(3, 20)
@@ -109,18 +114,20 @@ def test_greedy_tree_on_lean_forward_identical_to_hf_generate(lean_model):
         with torch.no_grad():
             want = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, 24, dtype=torch.long),
                                   max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-        got = gen.generate(ids, SpecSettings(mode="tree", top_k=3, depth=4, total_tokens=10, max_new_tokens=20))
+        s = SpecSettings(mode="tree", top_k=3, depth=4, total_tokens=10, max_new_tokens=20)
+        got = gen.generate(ids, s)
         assert got.tokens == want[0, 24:].tolist(), (name, seed)
 
 
 def test_other_families_keep_the_hf_forward():
     sliding = tiny(T.MistralConfig(**COMMON, head_dim=16, sliding_window=8))
     assert "sliding" in lean_unsupported(sliding)
-    assert TargetRunner(sliding, default_aux_layers(8)).lean is None
+    runner = TargetRunner(sliding, default_aux_layers(8))
+    assert runner.lean is None and runner.path.name == "generic" and "sliding" in runner.path.reason
     gemma = tiny(T.Gemma2Config(**COMMON, head_dim=16, sliding_window=8))
     assert "gemma2" in lean_unsupported(gemma)
     granite = tiny(T.GraniteConfig(**COMMON, embedding_multiplier=2.0))
-    assert LeanTarget.build(granite, default_aux_layers(8)) is None  # llama-shaped, scaled: not a lean family
+    assert lean_of(granite, default_aux_layers(8)) is None  # llama-shaped, scaled: not a lean family
 
 
 def test_probe_refuses_a_forward_the_lean_path_would_not_reproduce():
@@ -132,4 +139,5 @@ def test_probe_refuses_a_forward_the_lean_path_would_not_reproduce():
     layer.forward = lambda *a, **kw: (lambda out: out * 1.5)(plain(*a, **kw))
     lean = LeanTarget(model, default_aux_layers(8))
     assert lean.probe() is not None and "differ" in lean.probe()
-    assert TargetRunner(model, default_aux_layers(8)).lean is None
+    runner = TargetRunner(model, default_aux_layers(8))
+    assert runner.lean is None and runner.path.name == "generic" and "differ" in runner.path.reason

@@ -1,8 +1,8 @@
-"""bf16 decoding on oneDNN (infer/packed_linear.py, infer/scripted_layer.py, infer/fused_layer.py,
-infer/exact_attention.py): packed linears give F.linear's rows bit for bit at any row count, scripted
-layers the modules' bits, the fused C++ halves the scripted ones', a verified tree's rows are bit for bit what HF's own
-1-token steps give for each node's path, and greedy tree decoding in bf16 is token-identical to HF generate
-in bf16. Skipped where this CPU has no oneDNN bf16 (the CI box has AMX)."""
+"""bf16 decoding on oneDNN (infer/cpu/: packed.py, scripted.py, fused.py, exact_attention.py): packed
+linears give F.linear's rows bit for bit at any row count, scripted layers the modules' bits, the fused
+C++ halves the scripted ones', a verified tree's rows are bit for bit what HF's own 1-token steps give for
+each node's path, and greedy tree decoding in bf16 is token-identical to HF generate in bf16. Skipped
+where this CPU has no oneDNN bf16 (the CI box has AMX)."""
 from __future__ import annotations
 
 import pytest
@@ -11,10 +11,11 @@ import torch.nn.functional as F
 import transformers as T
 
 from infer.generate import EagleGenerator, SpecSettings
-from infer import fused_layer
-from infer.exact_attention import PathGroups
-from infer.lean_target import LeanTarget
-from infer.packed_linear import PackedLinear, packing_unsupported, rows_depend_on_count, with_packed_linears
+from infer.cpu import choose_target, fused as fused_layer
+from infer.cpu.exact_attention import PathGroups
+from infer.cpu.lean import LeanTarget
+from infer.cpu.packed import (NotPacked, PackedLinear, packing_unsupported, rows_depend_on_count,
+                              with_packed_linears)
 from infer.tree import Candidates, finalize
 from pipeline.target import default_aux_layers
 from trainer.head import Eagle3Head, head_config_from_target
@@ -49,6 +50,10 @@ def model(request):
     return request.param, bf16_model(FAMILIES[request.param]())
 
 
+def lean_of(model, aux_ids: list[int]) -> LeanTarget | None:
+    return choose_target(model, aux_ids)[0]
+
+
 def ids_of(seed: int, n: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -69,7 +74,10 @@ def test_packed_linear_is_f_linear_bit_for_bit_at_any_row_count(bias):
 
 def test_rows_depend_on_count_tells_apart():
     w = torch.randn(24, 40, generator=torch.Generator().manual_seed(0)).bfloat16()
-    row_by_row = lambda x: torch.cat([F.linear(x[:, i:i + 1], w) for i in range(x.shape[1])], dim=1)  # noqa: E731
+
+    def row_by_row(x):
+        return torch.cat([F.linear(x[:, i:i + 1], w) for i in range(x.shape[1])], dim=1)
+
     assert not rows_depend_on_count(row_by_row, 40, w)
     nudged = lambda x: row_by_row(x) + (x.shape[1] > 1) * 2.0 ** -6  # noqa: E731 - a multi-row call rounds up
     assert rows_depend_on_count(nudged, 40, w)
@@ -77,7 +85,7 @@ def test_rows_depend_on_count_tells_apart():
 
 def test_wide_down_projection_is_verified_row_by_row_where_needed():
     m = bf16_model(FAMILIES["llama_k1536"]())
-    lean = LeanTarget.build(m, default_aux_layers(6))
+    lean = lean_of(m, default_aux_layers(6))
     down = m.model.layers[0].mlp.down_proj.weight
     assert lean.row_wise[3] == rows_depend_on_count(lambda x: F.linear(x, down), 1536, down)
     assert lean.row_wise[:3] == [False, False, False]  # 128 inputs: one order at any row count here
@@ -89,14 +97,15 @@ def test_verified_chains_equal_one_token_steps_with_a_wide_mlp():
     outputs in 10^4 differently on a CPU without AMX: over these 8 x 16 rows x 6 layers some do, so
     without the row-at-a-time verify (`row_wise`) this fails there."""
     m = bf16_model(FAMILIES["llama_k1536"]())
-    lean = LeanTarget.build(m, default_aux_layers(6))
+    lean = lean_of(m, default_aux_layers(6))
     n = 16
     for trial in range(8):
         ids = ids_of(10 + trial, 40 + n)
         steps, verify = lean.new_cache(), lean.new_cache()
         for cache in (steps, verify):
             lean.forward(ids[:40], torch.arange(40), cache, last_only=True)
-        want = torch.cat([lean.forward(ids[40 + i:41 + i], torch.tensor([40 + i]), steps)[0] for i in range(n)])
+        want = torch.cat([lean.forward(ids[40 + i:41 + i], torch.tensor([40 + i]), steps)[0]
+                          for i in range(n)])
         keep = torch.cat([torch.ones(n, 40, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
         got, _ = lean.forward(ids[40:], torch.arange(40, 40 + n), verify, keep[None, None])
         assert torch.equal(got, want), (trial, (got - want).abs().amax(-1).tolist())
@@ -105,7 +114,8 @@ def test_verified_chains_equal_one_token_steps_with_a_wide_mlp():
 def test_only_bf16_is_packed():
     assert "bf16" in packing_unsupported(torch.zeros(2, 2))
     head = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    assert with_packed_linears(head) is head  # fp32: unchanged
+    with pytest.raises(NotPacked, match="bf16"):  # fp32: refused, the module unchanged
+        with_packed_linears(head)
     packed = with_packed_linears(head.bfloat16())
     assert packed is not head and isinstance(packed[0], PackedLinear)
     assert isinstance(head[0], torch.nn.Linear)  # the caller's module is not modified
@@ -113,7 +123,7 @@ def test_only_bf16_is_packed():
 
 def test_bf16_lean_target_packs_and_its_prefill_equals_hf(model):
     name, m = model
-    lean = LeanTarget.build(m, default_aux_layers(6))
+    lean = lean_of(m, default_aux_layers(6))
     assert lean is not None and lean.packed is not None and lean.exact_attention, name
     ids = ids_of(1, 40)
     logits, _ = lean.forward(ids, torch.arange(40), lean.new_cache())
@@ -123,10 +133,10 @@ def test_bf16_lean_target_packs_and_its_prefill_equals_hf(model):
 
 
 def test_scripted_layers_give_the_modules_bits(model):
-    """Packed Llama-shaped layers run as TorchScript (infer/scripted_layer.py) with the bits of the
+    """Packed Llama-shaped layers run as TorchScript (infer/cpu/scripted.py) with the bits of the
     modules' path, q|k|v biases included; Qwen3 (q/k norms) keeps the modules' path."""
     name, m = model
-    lean = LeanTarget.build(m, default_aux_layers(6))
+    lean = lean_of(m, default_aux_layers(6))
     assert (lean.script_args is not None) == (name != "qwen3"), name
     if lean.script_args is None:
         return
@@ -138,14 +148,15 @@ def test_scripted_layers_give_the_modules_bits(model):
 
 
 def test_fused_layer_decodes_with_the_scripted_halves_bits():
-    """The C++ halves (infer/fused_layer.py) on a SmolLM2-shaped layer (576 wide, 9 / 3 heads of 64, a
+    """The C++ halves (infer/cpu/fused.py) on a SmolLM2-shaped layer (576 wide, 9 / 3 heads of 64, a
     1536 MLP): a prefill, 1-token steps and an exact tree verify give the TorchScript halves' logits and
     aux states bit for bit, and the K/V they write into the cache."""
-    if fused_layer.module() is None:
+    if fused_layer.extension()[0] is None:
         pytest.skip("the fused layer does not build here (no C++ toolchain)")
-    m = bf16_model(T.LlamaConfig(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512))
-    lean = LeanTarget.build(m, [0, 1])
+    m = bf16_model(T.LlamaConfig(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536,
+                                 num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                                 max_position_embeddings=512))
+    lean = lean_of(m, [0, 1])
     assert lean is not None and lean.fused is not None
     halves = lean.fused
     gen = torch.Generator().manual_seed(5)
@@ -169,7 +180,8 @@ def test_fused_layer_decodes_with_the_scripted_halves_bits():
 
 def test_fused_layer_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("EAGLERAY_FUSED_LAYER", "0")
-    assert fused_layer.module.__wrapped__() is None
+    ext, why = fused_layer.extension.__wrapped__()
+    assert ext is None and why == "EAGLERAY_FUSED_LAYER=0"
 
 
 def test_a_layer_the_script_does_not_reproduce_keeps_the_modules_path():
@@ -181,7 +193,7 @@ def test_a_layer_the_script_does_not_reproduce_keeps_the_modules_path():
             return super().forward(x) + 1
 
     norm.__class__ = Offset
-    lean = LeanTarget.build(m, default_aux_layers(6))
+    lean = lean_of(m, default_aux_layers(6))
     assert lean is not None and lean.packed is not None and lean.script_args is None
     ids = ids_of(4, 20)
     logits, _ = lean.forward(ids, torch.arange(20), lean.new_cache())
@@ -195,7 +207,7 @@ def test_verified_tree_rows_equal_hf_one_token_steps_bit_for_bit(model, order):
     after the same prefix: the verify rounds like the steps it replaces. "shuffled" lays the nodes out in
     an order that is not depth by depth (the gathered-rows path); one SDPA call per key count."""
     name, m = model
-    lean = LeanTarget.build(m, default_aux_layers(6))
+    lean = lean_of(m, default_aux_layers(6))
     prefix = ids_of(2, 60)
     cands = Candidates([11, 12, 13, 14, 15, 16], [-1, -1, 0, 0, 2, 4], [-.1, -.2, -.3, -.4, -.5, -.6],
                        [1, 1, 2, 2, 3, 4])
@@ -257,7 +269,7 @@ def test_path_attention_rows_equal_their_own_unmasked_calls():
     """Kernel-level: every row of path_attention (one call per key count) has the bits of an unmasked
     1-row SDPA call over exactly its keys, across prefixes that cross the kernel's 512-key split; one
     masked call over all rows does not, so this test can tell."""
-    from infer.exact_attention import path_attention
+    from infer.cpu.exact_attention import path_attention
     gen = torch.Generator().manual_seed(0)
     heads, kvh, D = 8, 2, 64
     fused_differs = 0
@@ -311,10 +323,10 @@ def test_bf16_draft_fuses_its_projections_and_steps_like_the_plain_head():
             assert torch.equal(got, want)
         attn_out = torch.randn(1, cfg.num_attention_heads, 5, cfg.head_dim, generator=gen).bfloat16()
         assert torch.equal(runner.head.finish(h, attn_out), head.finish(h, attn_out))
-        # the scripted step (infer/scripted_layer.py), through the C++ halves where they build
-        # (infer/fused_layer.py), is the modules' step, bit for bit
+        # the scripted step (infer/cpu/scripted.py), through the C++ halves where they build
+        # (infer/cpu/fused.py), is the modules' step, bit for bit
         assert runner.script_args is not None
-        assert (runner.fused is not None) == (fused_layer.module() is not None)
+        assert (runner.fused is not None) == (fused_layer.extension()[0] is not None)
         mask = torch.ones(5, 5, dtype=torch.bool).tril()
         got = runner._step(h[0], tokens[0], pos[0], 0, mask)
         runner.script_args = None

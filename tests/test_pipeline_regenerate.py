@@ -1,6 +1,8 @@
 """Regeneration: the target's own greedy answers replace the corpus answers; too-long prompts are skipped."""
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +44,8 @@ def test_prompt_only_records_are_answered_and_bad_records_counted(tmp_path, ray_
     """ShareGPT first-turn prompts (500 GSM8K test questions as one-turn ShareGPT records): all rejected as
     no_assistant without regeneration, all accepted with it; the target then writes each answer. A record the chat template cannot render is counted with its
     reason and dropped (it has no answer of its own to keep); the run goes on."""
+    # a copy: the test touches the weights' mtime, and other xdist workers share the session's target
+    tiny_target = Path(shutil.copytree(tiny_target, tmp_path / "target"))
     from pipeline.ingest import run_ingest
     from pipeline.config import Ingest
 

@@ -1,4 +1,4 @@
-"""Draft vocabulary (ARCHITECTURE.md §2)."""
+"""Draft vocabulary (ARCHITECTURE.md §3)."""
 import numpy as np
 import pyarrow.parquet as pq
 import pytest

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from check_sampling import random_head
+from infer.checks.sampling import random_head
 from infer.generate import EagleGenerator, SpecSettings
 from infer.round_cost import DraftGate, RoundCosts, RoundPlan, cost_width, measure_round_costs, probe_tree
 from pipeline.target import default_aux_layers

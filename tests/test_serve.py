@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from local_cluster import free_port as _free_port
+from infer.cluster.local import free_port as _free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-eagle"
@@ -65,7 +65,8 @@ def test_models_health_and_greedy_chat(server, tiny_target):
     want = greedy_text(tiny_target, MSGS, 40)
     r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=40, temperature=0)
     assert r.choices[0].message.content == want
-    assert r.usage.completion_tokens > 0 and r.usage.model_extra["tau"] >= 1.0
+    # tiny_head reaches chain tau ~2.4 at k=3 (conftest); a decoder that never accepted a draft reads 1.0
+    assert r.usage.completion_tokens > 0 and r.usage.model_extra["tau"] > 1.5
     chunks = list(c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=40, temperature=0, stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")

@@ -5,7 +5,7 @@ import time
 import openai
 import pytest
 
-from local_cluster import free_port as _free_port
+from infer.cluster.local import free_port as _free_port
 from test_serve import MSGS, greedy_text
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ def vllm_server(ray_cluster, tiny_target, tiny_head):
     cfg = ServeConfig(backend="vllm", target=tiny_target, head=tiny_head.parent / "head_speculators",
                       model_name=MODEL, app_name="vllm-test", port=_free_port(), num_cpus_per_replica=1,
                       speculative={"mode": "chain", "depth": 3},
-                      vllm={"max_model_len": 512, "dtype": "float32", "max_num_seqs": 16, "draft_up_to_batch": 2})
+                      vllm={"max_model_len": 512, "dtype": "fp32", "max_num_seqs": 16, "draft_up_to_batch": 2})
     url = start(cfg)
     yield url
     serve.shutdown()

@@ -1,5 +1,5 @@
 """Storage by URI (pipeline/storage.py) against a real S3-compatible server: moto's, started by
-tools/local_cluster.py `S3Server` as its own process. Issue 51, item 2."""
+infer/cluster/local.py `S3Server` as its own process."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO, pipeline_tree, write_yaml
 
-from local_cluster import S3Server
+from infer.cluster.local import S3Server
 from pipeline import storage
 
 

@@ -30,18 +30,15 @@ def train_losses(out: Path) -> list[list[float]]:
     return [h["loss"] for h in json.loads((out / "history.json").read_text()) if "loss" in h]
 
 
-@pytest.mark.parametrize("stage,dtype,balance", [(1, "fp32", "steps"), (3, "fp32", "pools"), (2, "bf16", "steps")])
-def test_zero_stages_train_on_two_workers(stage, dtype, balance, tmp_path, ray_cluster, pipeline_run, tiny_target):
+@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (3, "fp32"), (2, "bf16")])
+def test_zero_stages_train_on_two_workers(stage, dtype, tmp_path, ray_cluster, pipeline_run, tiny_target):
     """bf16 also runs the loop's check that the head's RoPE inv_freq stayed fp32 under DeepSpeed; ZeRO-1 runs
-    the compiled objective (model.compile); ZeRO-3 runs the other data.balance (rows traded per pool, each
-    rank planning its own) under DeepSpeed's Muon (optim.name: muon); the joint plans are weighted by the
-    ranks' measured speeds, recorded per pool."""
+    the compiled objective (model.compile); ZeRO-3 runs DeepSpeed's Muon (optim.name: muon)."""
     from trainer.driver import run_training
 
     report = run_training(train_cfg(tmp_path, pipeline_run, tiny_target, max_steps=10, epochs=5,
                                     **{"deepspeed.zero_stage": stage, "deepspeed.dtype": dtype, "optim.lr": 5e-3,
-                                       "data.balance": balance, "data.bucket_pool": 8,
-                                       "data.rank_speeds": "measured" if balance == "steps" else "equal",
+                                       "data.bucket_pool": 8,
                                        "model.compile": stage == 1,  # the compiled step inside Ray + DeepSpeed
                                        "optim.name": "muon" if stage == 3 else "adamw", "optim.muon_lr": 0.3}))
     assert len(train_losses(tmp_path / "out")) == 10
@@ -51,13 +48,8 @@ def test_zero_stages_train_on_two_workers(stage, dtype, balance, tmp_path, ray_c
     for fmt in ("sglang", "speculators"):
         tensors = load_file(str(tmp_path / "out" / f"head_{fmt}" / "model.safetensors"))
         assert len(tensors) == 15 and all(torch.isfinite(v.float()).all() for v in tensors.values())
-    assert report["best"]["sim_tau"] >= 1.0
-    if balance == "steps":  # measured rank speeds: each pool's, None where the ranks matched within 1%
-        hist = json.loads((tmp_path / "out/history.json").read_text())
-        pools = [e["pool_speeds"] for e in hist if "epoch_end" in e]
-        assert len(pools) >= 1 and all(len(p) == 4 for p in pools), pools  # 28 rows a rank: 4 pools of 8
-        assert all(s is None or (len(s) == 2 and abs(sum(s) - 2) < 0.01) for p in pools for s in p), pools
-        assert pools[0][0] is None, pools  # nothing measured before the first pool
+    taus = [e["sim_tau"] for e in evals]  # the best is the highest held-out tau, above the untrained head's
+    assert report["best"]["sim_tau"] == max(taus) > taus[0]
 
 
 def test_resume_is_exact(tmp_path, ray_cluster, pipeline_run, tiny_target):
@@ -120,7 +112,7 @@ def test_two_workers_trade_rows_and_replay_the_cached_epoch(tmp_path, ray_cluste
     from trainer.data import id_hash
 
     over = {"epochs": 2, "max_steps": 1000, "eval_every": 1000, "checkpoint_every": 1000,
-            "data.max_tokens_per_batch": 512, "data.rank_speeds": "equal"}  # two runs, the same batches
+            "data.max_tokens_per_batch": 512}
     report = run_training(train_cfg(tmp_path / "cached", pipeline_run, tiny_target, **over))
     run_training(train_cfg(tmp_path / "streamed", pipeline_run, tiny_target, **over, **{"data.cache_mb": 0}))
     # each epoch's training seconds (reading and steps, no evaluation or checkpoint), summed in the report

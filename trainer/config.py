@@ -6,41 +6,26 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.yaml_config import ExistingPath, InputLocation, Location, StrictModel
+from pipeline.yaml_config import ExistingPath, InputLocation, Location, StrictModel, TrainDtype
 
 
 class Data(StrictModel):
-    source: Literal["parquet", "stream", "hybrid"] = "parquet"  # trainer/sources.py; docs/USAGE.md "Trainer"
-    shards: InputLocation | None = None       # parquet: a capture folder or URI (shard-*.parquet, manifest, draft_vocab)
-    pipeline: ExistingPath | None = None      # stream / hybrid: the pipeline YAML whose stages feed training
-    max_tokens_per_batch: int = Field(4096, gt=0)  # padded tokens per micro-batch (length-bucketed)
-    max_rows_per_batch: int = Field(16, gt=0)
-    bucket_pool: int = Field(256, gt=0)       # rows gathered before bucketing by length
-    # The order of a pool's batches (trainer/batching.py segment_order), the same on every rank: "shuffled"
-    # draws every step's place at random; "runs" (the old default) keeps 4 cost-sorted runs, so dozens of
-    # steps in a row train rows of similar length: on the demo target 5% lower vLLM tau over three seeds
-    # (docs/MEASUREMENTS.md "The order of the batches").
-    order: Literal["shuffled", "runs"] = "shuffled"
-    # 2+ workers: "steps" plans the ranks' pools together so every step's batches match in work (~40% of
-    # the rows move between workers); "pools" trades a few rows so each pool's total matches (fewer moves,
-    # more waiting at each step's all-reduce). trainer/data.py MicroBatches; ARCHITECTURE.md §10.
-    balance: Literal["steps", "pools"] = "steps"
-    # "steps" with 2+ workers: "measured" gives a rank that runs faster (its forwards' work per second)
-    # more work at each step, for nodes or cores of unequal speed; the speeds are checkpointed, so a
-    # resume is exact, but two fresh runs may plan differently. "equal": every run of a seed trains the
-    # same batches (on 2 equal cores measured plans gained nothing: docs/MEASUREMENTS.md, "Training
-    # throughput").
-    rank_speeds: Literal["measured", "equal"] = "equal"
-    # The positions a training step supervises with the target's distribution: "assistant" (the answers'
-    # loss mask, what decoding drafts) or "all" (every real token, prompts and template too: more signal
-    # from the same rows; held-out evaluation always scores the answers).
-    loss_on: Literal["assistant", "all"] = "assistant"
-    val_rows: int = Field(32, ge=0)           # held out (the last rows of the run) for eval metrics
-    stream_buffer_mb: int | None = Field(None, gt=0)  # stream / hybrid: object-store budget of the data in
-    #                                                   flight; capture waits for the trainer past it
-    cache_mb: int = Field(2048, ge=0)         # per worker: an epoch's rows kept in memory and replayed by
-    #                                           later epochs when they fit (shards only; 0: stream every epoch)
-    seed: int = 0
+    source: Literal["parquet", "stream", "hybrid"] = Field(
+        "parquet", description="parquet: read shards; stream: capture into training; hybrid: both, in turn")
+    shards: InputLocation | None = Field(
+        None, description="parquet: the capture folder or URI (shards, manifest, draft vocab)")
+    pipeline: ExistingPath | None = Field(
+        None, description="stream / hybrid: the pipeline YAML that feeds training")
+    max_tokens_per_batch: int = Field(4096, gt=0, description="padded tokens per micro-batch")
+    max_rows_per_batch: int = Field(16, gt=0, description="rows per micro-batch")
+    bucket_pool: int = Field(
+        256, gt=0, description="rows grouped by length into batches; = max_rows_per_batch: rows at random")
+    val_rows: int = Field(32, ge=0, description="the run's last rows, held out for evaluation")
+    stream_buffer_mb: int | None = Field(
+        None, gt=0, description="stream / hybrid: object-store budget of the rows in flight")
+    cache_mb: int = Field(
+        2048, ge=0, description="per worker: memory that replays an epoch's rows (parquet; 0: reread them)")
+    seed: int = Field(0, description="the batches' order")
 
     @model_validator(mode="after")
     def _source_has_its_input(self):
@@ -52,84 +37,64 @@ class Data(StrictModel):
 
 
 class Optim(StrictModel):
-    # "adamw" for every weight, or "muon": DeepSpeed's Muon (momentum, Newton-Schulz orthogonalised updates)
-    # for the head's matrices at muon_lr, with AdamW at lr for the norms and the lm_head (speculators'
-    # default optimizer; trainer/loop.py _engine).
-    name: Literal["adamw", "muon"] = "adamw"
-    lr: float = Field(1e-4, gt=0)
-    muon_lr: float = Field(0.02, gt=0)
-    momentum: float = Field(0.95, ge=0, lt=1)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_ratio: float = Field(0.015, ge=0, lt=1)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    schedule: Literal["cosine", "linear"] = "cosine"  # decay after warm-up (speculators' default: linear)
-    grad_clip: float = Field(0.5, gt=0)
-    grad_accum: int = Field(1, ge=1)
+    name: Literal["adamw", "muon"] = Field(
+        "adamw", description="muon: DeepSpeed's Muon for the matrices, AdamW for the rest")
+    lr: float = Field(1e-4, gt=0, description="AdamW's peak learning rate")
+    muon_lr: float = Field(0.02, gt=0, description="muon: the matrices' peak learning rate")
+    momentum: float = Field(0.95, ge=0, lt=1, description="muon: its momentum")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's betas")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    warmup_ratio: float = Field(0.015, ge=0, lt=1, description="share of the steps warming up linearly")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="the learning rate at the end, relative to the peak")
+    schedule: Literal["cosine", "linear"] = Field("cosine", description="decay after warm-up")
+    grad_clip: float = Field(0.5, gt=0, description="gradient norm clip")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
 
 
 class Model(StrictModel):
-    # The draft kind (trainer/head.py build_head): "eagle3", one layer trained with TTT (the fields below up
-    # to off_vocab), or "dflash", a block drafter (trainer/dflash.py; ARCHITECTURE.md §12) whose own fields
-    # follow the EAGLE ones.
-    kind: Literal["eagle3", "dflash"] = "eagle3"
-    ttt_length: int = Field(7, ge=1)
-    decay: float = Field(0.8, gt=0, le=1)
-    intermediate_size: int | None = None      # default: the target's
-    init_from: ExistingPath | None = None     # an exported head (SGLang or speculators) to start from
-    attention: Literal["auto", "flash", "blocked"] = "auto"  # TTT attention kernel (ARCHITECTURE.md §5):
-    #                                           auto = PyTorch's flash kernel (CPU, CUDA) where it runs, else blocked
-    compile: bool = False  # torch.compile the step's pieces around the attention (ARCHITECTURE.md §5)
-    # EAGLE 3.1 (trainer/head.py HeadConfig; ARCHITECTURE.md §4 "Head options"). A head with any of them
-    # exports as speculators only (SGLang's head reads none of them).
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_before_residual: bool = False
-    norm_output: bool = False
-    # The draft lm_head's start: "random", or "target": the target's lm_head rows of the draft vocabulary
-    # (speculators' recipe, which also freezes them: freeze_lm_head).
-    lm_head_init: Literal["random", "target"] = "random"
-    freeze_lm_head: bool = False
-    # Every Linear weight's start: None keeps PyTorch's (Kaiming-uniform), a number draws N(0, std) with
-    # zero biases, as Hugging Face's `initializer_range` (0.02) does for speculators' heads.
-    init_std: float | None = Field(None, gt=0)
-    # The loss (trainer/ttt.py TTTObjective): each step's sum over every padded position of the batch, or
-    # the mean over the positions it counts; positions whose target argmax is outside the draft vocab
-    # dropped, or kept with the target's distribution over the draft vocab.
-    loss_mean: Literal["padded", "counted"] = "padded"
-    off_vocab: Literal["drop", "keep"] = "drop"
-    # Gaussian noise on the aux states while training (not in evaluation): std relative to each state's RMS
-    # per position (EAGLE's feature noise, for a head that must read states of prompts it never saw).
-    aux_noise: float = Field(0.0, ge=0, le=1)
-    # Both kinds: what each step or slot learns ("soft": the target's distribution over the draft vocab;
-    # "hard": its argmax, speculators' DFlash `ce`), and how steps or slots weigh ("decay": decay ** s for
-    # EAGLE-3, exp(-(k - 1) / decay_gamma) for DFlash; "dpace": D-PACE, each chain's steps weighed by how
-    # much they move its expected accepted length; trainer/ttt.py dpace_weights). Defaults: soft and decay
-    # for eagle3 (neither switch gained on the demo target), hard and dpace for dflash (speculators' DFlash
-    # default; SmolLM2 vLLM tau +5%, the demo's held-out prompts +4-10% at two seeds: docs/MEASUREMENTS.md
-    # "speculators' DFlash loss").
-    labels: Literal["soft", "hard"] | None = None
-    position_weight: Literal["decay", "dpace"] | None = None
-    dpace_alpha: float = Field(0.5, gt=0, le=1)  # D-PACE's confidence smoothing: (1 - alpha) * p + alpha
-    # DFlash: draft layers, block size (anchor + masks: block_size - 1 tokens drafted per forward), the
-    # mask slots' token (None: trainer/dflash.py default_mask_token), anchor blocks drawn per row, and
-    # the slots' loss decay exp(-(k - 1) / gamma) (None: no decay).
-    num_layers: int | None = Field(None, ge=1)  # default: 1 for eagle3, 2 for dflash
-    block_size: int = Field(8, ge=2)
-    mask_token_id: int | None = Field(None, ge=0)
-    anchors: int = Field(32, ge=1)
-    decay_gamma: float | None = Field(4.0, gt=0)
-    # The layers' start: "random", or "target": DFlash, copies of the target's last num_layers decoder layers
-    # (q/k norms at the target's q/k size where it has none); EAGLE-3, its one layer from the target's last,
-    # q/k/v's embedding half at zero (trainer/warm_start.py eagle3_layer_state). Llama/Qwen-style layers only.
-    layers_init: Literal["random", "target"] = "random"
-    # The fc start: "random" (PyTorch's), or "high": [0 | 0 | I], the high aux state passed through, so a layer
-    # from the target (layers_init: target) first reads the state nearest its own input (DFlash: as its context
-    # keys and values, hidden_norm then the first copied layer's input norm).
-    fc_init: Literal["random", "high"] = "random"
-    # Causal attention inside the block (slot k sees slots <= k; speculators' DFlash and vLLM's
-    # `dflash_config.causal`), against DFlash's original non-causal block.
-    block_causal: bool = False
+    kind: Literal["eagle3", "dflash"] = Field(
+        "eagle3", description="eagle3: one layer trained with TTT; dflash: experimental, trails eagle3 at "
+                              "equal data")
+    ttt_length: int = Field(7, ge=1, description="eagle3: training-time-test steps")
+    decay: float = Field(0.8, gt=0, le=1, description="eagle3: step s's loss weighs decay ** s")
+    intermediate_size: int | None = Field(None, description="the head's MLP width; null: the target's")
+    init_from: ExistingPath | None = Field(
+        None, description="an exported head to start from (the same kind and EAGLE 3.1 options)")
+    attention: Literal["auto", "flash", "blocked"] = Field(
+        "auto", description="eagle3: TTT attention kernel; auto: PyTorch's flash where it runs, else blocked")
+    compile: bool = Field(False, description="eagle3: torch.compile the step around the attention")
+    # EAGLE 3.1 options (trainer/head.py HeadConfig): a head with any exports as speculators only.
+    norm_before_fc: bool = Field(False, description="eagle3: one RMSNorm over the concatenated aux states")
+    fc_norm: bool = Field(False, description="eagle3: an RMSNorm per aux state (instead of norm_before_fc)")
+    norm_before_residual: bool = Field(False, description="eagle3: the residual is the normed hidden state")
+    norm_output: bool = Field(False, description="eagle3: the next step reads the final-normed state")
+    lm_head_init: Literal["random", "target"] = Field(
+        "random", description="target: the draft lm_head starts from the target's rows of the draft vocab")
+    freeze_lm_head: bool = Field(
+        False, description="keep the draft lm_head fixed (with lm_head_init: target)")
+    off_vocab: Literal["drop", "keep"] = Field(
+        "drop", description="positions whose target argmax is outside the draft vocab: dropped or kept")
+    labels: Literal["soft", "hard"] | None = Field(
+        None, description="learn the target's distribution or argmax; null: soft (eagle3), hard (dflash)")
+    position_weight: Literal["decay", "dpace"] | None = Field(
+        None, description="step or slot weights, fixed decay or D-PACE; null: decay (eagle3), dpace (dflash)")
+    dpace_alpha: float = Field(
+        0.5, gt=0, le=1, description="D-PACE's confidence smoothing: (1 - alpha) p + alpha")
+    num_layers: int | None = Field(
+        None, ge=1, description="draft layers; null: 1 for eagle3, 2 for dflash")
+    block_size: int = Field(
+        8, ge=2, description="dflash: anchor + masks, block_size - 1 tokens drafted a forward")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="dflash: the mask slots' token id; null: trainer/dflash.py's choice")
+    anchors: int = Field(32, ge=1, description="dflash: blocks drawn per row and step")
+    decay_gamma: float | None = Field(
+        4.0, gt=0, description="dflash, position_weight decay: slot k weighs exp(-(k - 1) / gamma)")
+    layers_init: Literal["random", "target"] = Field(
+        "random", description="target: the layers start as the target's last layers (Llama/Qwen-style)")
+    fc_init: Literal["random", "high"] = Field(
+        "random", description="high: the fc starts passing the high aux state through ([0 | 0 | I])")
+    block_causal: bool = Field(False, description="dflash: slot k attends to block slots <= k only")
 
     @property
     def layers(self) -> int:
@@ -158,52 +123,52 @@ class Model(StrictModel):
         if self.kind == "eagle3" and self.layers != 1:
             raise ValueError(f"num_layers: an EAGLE-3 head has one layer, not {self.layers}")
         if self.kind == "dflash":
-            on = [k for k, v in self.head_options.items() if v] + ["compile"] * self.compile + \
-                ["aux_noise"] * bool(self.aux_noise)
+            on = [k for k, v in self.head_options.items() if v] + ["compile"] * self.compile
             if on:
                 raise ValueError(f"kind: dflash reads none of {', '.join(on)} (EAGLE-3 options)")
         return self
 
 
 class Scaling(StrictModel):
-    num_workers: int = Field(1, ge=1)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1, gt=0)
-    threads_per_worker: int | None = None
-    keep_freed_memory: bool = True  # CPU workers keep freed memory for the next step (pipeline/cluster.py)
-    # custom Ray resources per worker (e.g. {eagleray_worker: 1}: one worker per node that offers one) and
-    # Ray Train's placement of the workers (PACK, SPREAD over nodes, STRICT_SPREAD: one per node)
-    resources_per_worker: dict[str, float] = {}
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    # a worker or node lost: restart the worker group from the latest checkpoint this many times
-    max_failures: int = Field(0, ge=-1)
+    num_workers: int = Field(1, ge=1, description="Ray Train workers (data-parallel ranks)")
+    use_gpu: bool = Field(False, description="one GPU per worker")
+    cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per worker")
+    threads_per_worker: int | None = Field(None, description="torch threads of a worker; null: its Ray CPUs")
+    keep_freed_memory: bool = Field(True, description="CPU workers keep freed memory for the next step")
+    resources_per_worker: dict[str, float] = Field(
+        {}, description="custom Ray resources, e.g. {eagleray_worker: 1}: one worker per node offering one")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray Train's placement of the workers (STRICT_SPREAD: one per node)")
+    max_failures: int = Field(
+        0, ge=-1, description="restarts from the latest checkpoint after a lost worker or node (-1: always)")
 
 
 class DeepSpeedCfg(StrictModel):
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
+    dtype: TrainDtype = Field("fp32", description="compute dtype; bf16 on a CPU without native bf16 is slow")
 
 
 class TrainConfig(StrictModel):
-    target: ExistingPath
-    out_dir: Location = Path("runs/train")     # a folder or a URI (checkpoints, best, exports): pipeline/storage.py
+    target: ExistingPath = Field(
+        description="the target's Hugging Face folder (the one the shards came from)")
+    out_dir: Location = Field(Path("runs/train"), description="a folder or a URI: checkpoints, best, exports")
     data: Data
     model: Model = Model()
     optim: Optim = Optim()
     scaling: Scaling = Scaling()
     deepspeed: DeepSpeedCfg = DeepSpeedCfg()
-    epochs: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, gt=0)  # optimizer steps; default: epochs over the data
-    run_steps: int | None = Field(None, gt=0)  # stop (with a checkpoint) after this many steps in this
-    #                                            invocation, e.g. a time-limited allocation; rerun to go on
-    checkpoint_every: int = Field(50, gt=0)
-    eval_every: int = Field(25, gt=0)
-    log_every: int = Field(5, gt=0)
-    keep_checkpoints: int = Field(2, ge=1)
-    seed: int = 0
-    ray_address: str | None = None
-    # default: ["sglang", "speculators"] for an EAGLE-3 head, ["dflash"] (vLLM's DFlashDraftModel) for DFlash
-    export_formats: list[Literal["sglang", "speculators", "dflash"]] | None = None
+    epochs: int = Field(1, ge=1, description="passes over the training rows")
+    max_steps: int | None = Field(None, gt=0, description="optimizer steps; null: epochs over the data")
+    run_steps: int | None = Field(
+        None, gt=0, description="stop with a checkpoint after this many steps in this run (rerun to go on)")
+    checkpoint_every: int = Field(50, gt=0, description="optimizer steps between checkpoints")
+    eval_every: int = Field(25, gt=0, description="optimizer steps between held-out evaluations")
+    log_every: int = Field(5, gt=0, description="optimizer steps between log records")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept")
+    seed: int = Field(0, description="the head's initialisation (and DFlash's held-out anchors)")
+    ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
+    export_formats: list[Literal["sglang", "speculators", "dflash"]] | None = Field(
+        None, description="null: [sglang, speculators] for eagle3, [dflash] (vLLM's DFlash) for dflash")
 
     @model_validator(mode="after")
     def _formats_of_kind(self):

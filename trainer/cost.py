@@ -1,7 +1,7 @@
 """What a training step executes, in FLOPs, by what each part scales with.
 
 One owner for the cost model: the batch planner weighs micro-batches with it (so two ranks get similar work
-at each all-reduce, docs/ARCHITECTURE.md §10) and tools/bench_train.py divides achieved FLOP/s by the
+at each all-reduce, docs/ARCHITECTURE.md §7) and tools/bench/train.py divides achieved FLOP/s by the
 machine's peak with it. Multiply-adds count 2; the head's parts count 3x (forward + backward); the frozen
 target lm_head counts forward only.
 """

@@ -2,9 +2,8 @@
 
 Each worker streams its split of the rows, gathers a pool of `bucket_pool` rows, sorts the pool by
 length into as many cost-balanced micro-batches as every rank agrees on (`MicroBatches`), and orders
-those batches with a seed derived from (seed, epoch, pool), the same on every rank (`plan_batches`;
-`data.order`: shuffled, or in cost-sorted runs): the order is a pure function of the stream, so a resumed
-run replays it exactly.
+those batches at random with a seed derived from (seed, epoch, pool), the same on every rank
+(`plan_batches`): the order is a pure function of the stream, so a resumed run replays it exactly.
 """
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from pipeline import storage
 from pipeline.codec import from_bytes
 from pipeline.shards import first_mismatch, read_manifest
 from pipeline.target import TargetSpec
-from trainer.batching import (ORDER_SEGMENTS, balance_swaps, flops_cost, min_batches, padded_cost, plan_batches,
-                              plan_steps, speed_shares)
+from trainer.batching import flops_cost, padded_cost, plan_batches, plan_steps
 from trainer.cost import StepFlops
 
 
@@ -123,54 +121,22 @@ def id_hash(row_id) -> int:
     return int(hashlib.sha1(str(row_id).encode()).hexdigest()[:10], 16)
 
 
-class RankPace:
-    """This rank's measured speed: the planner's estimated work of the batches it trained over the seconds
-    their forwards took (a forward holds no collective, so no wait on another rank is counted). Kept for
-    the whole run: a rank that shares its core with Ray's own processes stays slower (ARCHITECTURE.md §10).
-    The first batch of a run (first touches, allocations) is not counted."""
-
-    def __init__(self):
-        self.work, self.secs, self.skipped = 0.0, 0.0, False
-
-    def add(self, work: float, secs: float) -> None:
-        if not self.skipped:
-            self.skipped = True
-            return
-        self.work += work
-        self.secs += secs
-
-    def rate(self) -> float | None:
-        return self.work / self.secs if self.secs > 0 else None
-
-
 class MicroBatches:
     """One rank's micro-batches for an epoch: rows from a Ray Data iterator (numpy batches) gathered into
     pools of `pool` rows, planned into batches balanced by estimated FLOPs (`flops`) or padded size.
 
     A step makes one collective, `peers.agree` (an all-reduce MAX): whether any rank ran dry, whether the
     ranks start new pools. Ray Data's equal split gives every rank the same number of rows, not the same
-    work. At a new pool, `balance` "steps" (the default with 2+ ranks): the ranks gather each row's length
-    and loss tokens, plan their pools together (`plan_steps`: at every step the ranks hold batches of
-    nearly the same work) and move the rows the plan puts on another rank through `peers.gather`.
-    "pools": the ranks trade the few rows `balance_swaps` picks so each pool holds the same work, then each
-    plans its own pool into the most batches any pool needs (`plan_batches`; fewer rows move, the batches
-    of a step differ more). The epoch ends when any rank is dry.
-
-    With `pace` ("steps" only), the gather carries each rank's measured speed and the plan gives a faster
-    rank more work (`speed_shares`, `plan_steps`). The speeds a pool was planned with are recorded in
-    `speeds[pool]` (the trainer's checkpointed state), and a pool found there is planned with them again:
-    a resumed run replays the same batches."""
+    work. So with 2+ ranks, at a new pool the ranks gather each row's length and loss tokens, plan their
+    pools together (`plan_steps`: at every step the ranks hold batches of nearly the same work) and move
+    the rows the plan puts on another rank through `peers.gather`. The epoch ends when any rank is dry."""
 
     def __init__(self, batches: Iterator[dict], max_tokens: int, max_rows: int, pool: int, seed: int,
-                 epoch: int, flops: StepFlops | None = None, peers=None, balance: str = "steps",
-                 pace: RankPace | None = None, speeds: dict | None = None, order: str = "shuffled"):
+                 epoch: int, flops: StepFlops | None = None, peers=None):
         self.batches, self.pool, self.seed, self.epoch = batches, pool, seed, epoch
-        self.segments = None if order == "shuffled" else ORDER_SEGMENTS  # batching.segment_order
         self.peers = peers or Alone()
         self.max_tokens, self.max_rows = max_tokens, max_rows
         self.cost = flops_cost(flops) if flops else padded_cost
-        self.joint = balance == "steps" and self.peers.world > 1
-        self.pace, self.speeds = pace, speeds if speeds is not None else {}
         self.buf: list[dict] = []
         self.queue: list[list[dict]] = []
         self.pools = 0
@@ -193,25 +159,16 @@ class MicroBatches:
         return [rows[k] if src == me else arrived[src][k] for src, k in place[me]]
 
     def _plan_pool(self, rows: list[dict], rng: random.Random) -> list[list[dict]]:
-        """balance "pools" (and one rank): trades even out the pools' work, each rank plans its own."""
-        if self.peers.world > 1:
-            costs = [self.cost(1, len(r["input_ids"]), loss_tokens(r)) for r in rows]
-            rows = self._moved(rows, balance_swaps(self.peers.gather(costs), max(1, len(rows) // 8)))
+        """One rank: its pool planned alone."""
         lengths, loss = [len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]
-        _, count = self.peers.agree(False, min_batches(lengths, self.max_tokens, self.max_rows))
-        plan = plan_batches(lengths, self.max_tokens, self.max_rows, rng, loss, self.cost, count, self.segments)
+        plan = plan_batches(lengths, self.max_tokens, self.max_rows, rng, loss, self.cost)
         return [[rows[i] for i in idx] for idx in plan]
 
     def _plan_steps(self, rows: list[dict], rng: random.Random) -> list[list[dict]]:
-        """balance "steps": the pools planned together, each step's batches of matched time."""
-        rate = self.pace.rate() if self.pace else None
-        shapes = self.peers.gather(([len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows],
-                                    rate))
-        key = str(self.pools - 1)
-        if key not in self.speeds:
-            self.speeds[key] = speed_shares([s[2] for s in shapes]) if self.pace else None
+        """2+ ranks: the pools planned together, each step's batches of matched work."""
+        shapes = self.peers.gather(([len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows]))
         plan = plan_steps([s[0] for s in shapes], [s[1] for s in shapes], self.max_tokens, self.max_rows, rng,
-                          self.cost, self.segments, speeds=self.speeds[key])
+                          self.cost)
         held = iter(self._moved(rows, [[x for batch in batches for x in batch] for batches in plan]))
         return [[next(held) for _ in batch] for batch in plan[self.peers.rank]]
 
@@ -226,7 +183,7 @@ class MicroBatches:
                                    f"{self.epoch} while this one has {len(self.queue)} batches left")
             rng = random.Random(hash((self.seed, self.epoch, self.pools)) & 0xFFFFFFFF)
             self.pools += 1
-            self.queue = self._plan_steps(rows, rng) if self.joint else self._plan_pool(rows, rng)
+            self.queue = self._plan_steps(rows, rng) if self.peers.world > 1 else self._plan_pool(rows, rng)
         return self.queue.pop(0)
 
 
@@ -234,16 +191,11 @@ def loss_tokens(row: dict) -> int:
     return int(np.asarray(row["loss_mask"]).sum())
 
 
-def batch_cost(stream: MicroBatches, rows: list[dict]) -> float:
-    """The planner's estimate of a batch's work (what `RankPace` divides by the forward's seconds)."""
-    return stream.cost(len(rows), max(len(r["input_ids"]) for r in rows), sum(map(loss_tokens, rows)))
-
-
 class EpochCache:
     """A rank's rows of an epoch, as Ray Data gave them, kept in memory under a byte budget so later epochs
     replay them instead of streaming the split again: a new epoch of the split re-reads and re-decodes
     every shard, and on a 2-core box its first pool arrives seconds after the last step (ARCHITECTURE.md
-    §10). Only complete epochs within the budget are replayed, in the order they came."""
+    §7). Only complete epochs within the budget are replayed, in the order they came."""
 
     def __init__(self, budget_mb: int):
         self.budget = budget_mb * 2 ** 20
@@ -272,10 +224,8 @@ def batch_bytes(batch: dict) -> int:
         np.asarray(x).nbytes for k in ("input_ids", "loss_mask") for x in batch[k])
 
 
-def collate(rows: list[dict], dtype: str, target_hidden: int, loss_on: str = "assistant"
-            ) -> dict[str, torch.Tensor]:
-    """Right-padded tensors: input_ids, loss_mask [B,T]; aux [B,T,3Ht]; last [B,T,H] (storage dtype).
-    loss_on "all": loss_mask is 1 on every real token of a row (0 on padding), not the row's own mask."""
+def collate(rows: list[dict], dtype: str, target_hidden: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: input_ids, loss_mask [B,T]; aux [B,T,3Ht]; last [B,T,H] (storage dtype)."""
     t = max(len(r["input_ids"]) for r in rows)
     b = len(rows)
     ids = torch.zeros((b, t), dtype=torch.long)
@@ -286,7 +236,7 @@ def collate(rows: list[dict], dtype: str, target_hidden: int, loss_on: str = "as
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.from_numpy(np.asarray(r["input_ids"], dtype=np.int64))
-        mask[i, :n] = 1 if loss_on == "all" else torch.from_numpy(np.asarray(r["loss_mask"], dtype=np.int64))
+        mask[i, :n] = torch.from_numpy(np.asarray(r["loss_mask"], dtype=np.int64))
         aux[i, :n] = from_bytes(r["aux_hidden"], dtype, 3 * target_hidden, groups=3)
         last[i, :n] = from_bytes(r["last_hidden"], dtype, target_hidden)
     return {"input_ids": ids, "loss_mask": mask, "aux": aux, "last": last}

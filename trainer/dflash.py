@@ -1,4 +1,4 @@
-"""The DFlash block drafter (ARCHITECTURE.md §12): `num_layers` Qwen3-style layers that draft a whole block
+"""The DFlash block drafter (ARCHITECTURE.md §14): `num_layers` Qwen3-style layers that draft a whole block
 in one forward.
 
 A block is [anchor token, mask, ..., mask] at positions a .. a + B - 1 (B = block_size); slot k > 0

@@ -1,4 +1,4 @@
-"""Training a DFlash head (ARCHITECTURE.md §12) as pure functions: anchors, the block mask, labels, metrics.
+"""Training a DFlash head (ARCHITECTURE.md §14) as pure functions: anchors, the block mask, labels, metrics.
 
 A row of T positions gives N anchor blocks. Block n at anchor a = anchors[n] holds the token at a, then
 B - 1 masks, at positions a .. a + B - 1. Its queries see context positions j < a (the target's aux states

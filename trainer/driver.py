@@ -21,7 +21,8 @@ from pipeline.progress import progress_bar
 from pipeline.target import TargetSpec
 from pipeline.vocab import load_draft_vocab
 from trainer.config import TrainConfig
-from trainer.data import check_manifest, min_batches
+from trainer.batching import min_batches
+from trainer.data import check_manifest
 from trainer.sources import training_data
 from trainer.export import FORMATS, check_exportable, convert_head
 
@@ -39,7 +40,7 @@ def estimate_total_steps(cfg: TrainConfig, files: list[str], held_out: set[str])
     workers, pool = cfg.scaling.num_workers, cfg.data.bucket_pool
     per_worker = math.ceil(len(lengths) / workers)
     budgets = (cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch)
-    if workers > 1 and cfg.data.balance == "steps":  # the ranks' pools planned together (plan_steps)
+    if workers > 1:  # the ranks' pools planned together (plan_steps)
         pools = [lengths[i:i + pool * workers] for i in range(0, per_worker * workers, pool * workers)]
         batches = sum(math.ceil(min_batches(p, *budgets) / workers) for p in pools)
     else:
@@ -117,6 +118,9 @@ def run_training(cfg: TrainConfig) -> dict:
     total = estimate_total_steps(cfg, data.length_files, set(data.val["id"].to_pylist()))
     print(f"trainer: {where}; {data.rows} rows, {data.tokens} tokens ({cfg.data.source}); {total} optimizer "
           f"steps on {cfg.scaling.num_workers} worker(s), ZeRO-{cfg.deepspeed.zero_stage}", flush=True)
+    if cfg.model.kind == "dflash":
+        print("trainer: model.kind dflash is experimental: it trails an EAGLE-3 head trained on the same data",
+              flush=True)
     resume = latest_checkpoint(cfg.out_dir)
     if resume:  # Ray Train V2 restores a run of the same name and storage path from its latest checkpoint
         print(f"trainer: resuming from {resume[1]} (step {resume[0]})", flush=True)

@@ -1,12 +1,12 @@
 """Export / import of heads in the SGLang (`LlamaForCausalLMEagle3`) and vLLM speculators formats.
 
-Both formats hold the same tensors (ARCHITECTURE.md §4); speculators renames `midlayer.` to `layers.0.`. Aux
+Both formats hold the same tensors (ARCHITECTURE.md §5); speculators renames `midlayer.` to `layers.0.`. Aux
 layer ids are kept internally as "output of layer j" (our capture rule) and always written explicitly,
 in each engine's own numbering, so no engine falls back on a default rule of its own (vLLM's is per
 model class): SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`, as outputs (j); vLLM
 reads the top-level `eagle_aux_hidden_state_layer_ids` first, as inputs (j + 1), and falls back on
 `eagle_config`'s with the same input meaning. The SGLang-format file therefore carries both fields, so
-one folder picks the same layers in both engines (tools/check_vllm.py measured the single-field file
+one folder picks the same layers in both engines (infer/checks/vllm.py measured the single-field file
 in vLLM one layer off: tau 2.73 instead of 2.93 on the demo head). Every export and import checks the
 key set exactly: vLLM loads a head with a missing tensor silently.
 """
@@ -56,7 +56,7 @@ def check_keys(state: dict, where: str, options: dict | None = None, want: list[
     missing = sorted(set(want) - set(state))
     extra = sorted(set(state) - set(want))
     if missing or extra:
-        raise ValueError(f"{where}: head tensors do not match ARCHITECTURE.md §4 (missing {missing}, unexpected {extra})")
+        raise ValueError(f"{where}: head tensors do not match ARCHITECTURE.md §5 (missing {missing}, unexpected {extra})")
 
 
 def check_exportable(aux_layer_ids: list[int], num_target_layers: int, formats: list[str],

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (ARCHITECTURE.md §4): one decoder layer over [embedding ; fused target features].
+"""The EAGLE-3 draft head (ARCHITECTURE.md §5): one decoder layer over [embedding ; fused target features].
 
 Parameter names are exactly the SGLang checkpoint's (fc, midlayer.*, norm, lm_head, d2t, t2d), so a
 state_dict is an export. The target's embedding is not part of the head: callers pass embeddings in.
@@ -22,7 +22,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 @dataclass
 class HeadConfig:
-    """The head's shape: one Llama decoder layer over [embedding ; fused target features] (ARCHITECTURE.md)."""
+    """The head's shape (ARCHITECTURE.md §5): one Llama layer over [embedding ; fused target features]."""
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -34,13 +34,13 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    # EAGLE 3.1 options (ARCHITECTURE.md §4, "Head options"), each read by vLLM under the same name:
+    # EAGLE 3.1 options (ARCHITECTURE.md §5, "EAGLE 3.1 options"), each read by vLLM under the same name:
     norm_before_fc: bool = False        # one RMSNorm over the concatenated aux states (`input_norm`)
     fc_norm: bool = False               # an RMSNorm per aux state before the fc (`fc_norm.{i}`)
     norm_before_residual: bool = False  # the residual is hidden_norm(h), not h
     norm_output: bool = False           # the next step is fed the final-normed state
     # The draft kind: "eagle3" (this module's Eagle3Head) or "dflash" (trainer/dflash.py's block drafter:
-    # `num_layers` Qwen3-style layers drafting `block_size - 1` tokens per forward; ARCHITECTURE.md §12).
+    # `num_layers` Qwen3-style layers drafting `block_size - 1` tokens per forward; ARCHITECTURE.md §14).
     kind: str = "eagle3"
     num_layers: int = 1
     block_size: int = 0                 # dflash: anchor + masks per block
@@ -110,24 +110,6 @@ def head_config_from_target(tcfg, draft_vocab_size: int, intermediate_size: int 
                       vocab_size=tcfg.vocab_size, draft_vocab_size=draft_vocab_size, target_hidden_size=h,
                       rms_norm_eps=float(eps), max_position_embeddings=tcfg.max_position_embeddings,
                       rope_parameters=head_rope(tcfg), **options)
-
-
-def normal_init(head: nn.Module, std: float) -> None:
-    """Every nn.Linear weight of `head` drawn from N(0, std), biases zeroed (Hugging Face's _init_weights
-    with initializer_range = std); norms and buffers untouched."""
-    for mod in head.modules():
-        if isinstance(mod, nn.Linear):
-            nn.init.normal_(mod.weight, 0.0, std)
-            if mod.bias is not None:
-                nn.init.zeros_(mod.bias)
-
-
-def build_head(cfg: HeadConfig) -> nn.Module:
-    """The draft model of cfg.kind: an Eagle3Head or a DFlashHead (trainer/dflash.py)."""
-    if cfg.kind == "dflash":
-        from trainer.dflash import DFlashHead
-        return DFlashHead(cfg)
-    return Eagle3Head(cfg)
 
 
 class Rotary:

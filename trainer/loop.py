@@ -19,7 +19,7 @@ import torch
 from pipeline.storage import Mirror
 from trainer.config import TrainConfig
 from trainer.cost import step_flops
-from trainer.data import Alone, EpochCache, MicroBatches, RankPace, RankPeers, RowTally, batch_cost, collate
+from trainer.data import Alone, EpochCache, MicroBatches, RankPeers, RowTally, collate
 from trainer.export import export_head, head_state
 from pipeline.target import TargetSpec, cpu_has_native_bf16
 from trainer.dflash_objective import DFlashObjective
@@ -53,7 +53,7 @@ def lr_lambda(total: int, warmup_ratio: float, min_ratio: float, shape: str = "c
 
 
 def skip_shm_build() -> None:
-    """DeepSpeed compiles a C++ shared-memory op on first init on CPU (~50 s, ARCHITECTURE.md §9); gloo suffices."""
+    """DeepSpeed compiles a C++ shared-memory op on first init on CPU (ARCHITECTURE.md §13); gloo suffices."""
     import deepspeed.comm.torch  # noqa: F401
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
@@ -90,7 +90,7 @@ class HeadTrainer:
         self.flops = step_flops(hcfg, self.steps)
         self.engine = self._engine(objective)
         self.head = self.engine.module.head
-        # DeepSpeed's Muon compiles its Newton-Schulz step; on CPU eager is cheaper (ARCHITECTURE.md §9)
+        # DeepSpeed's Muon compiles its Newton-Schulz step; on CPU eager is cheaper (ARCHITECTURE.md §13)
         eager = cfg.optim.name == "muon" and not cfg.scaling.use_gpu
         self.update_ctx = (lambda: torch._dynamo.config.patch(disable=True)) if eager else contextlib.nullcontext
         inv = self.head.rotary.inv_freq
@@ -102,8 +102,7 @@ class HeadTrainer:
         if m.kind == "dflash":
             mask = self.target.embed(torch.tensor([head.config.mask_token_id], device=self.device))[0]
             return DFlashObjective(head, mask, m.anchors, m.decay_gamma, m.off_vocab, self.cfg.seed, m.labels, dpace)
-        return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.loss_mean, m.off_vocab,
-                            m.aux_noise, m.labels, dpace)
+        return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.off_vocab, m.labels, dpace)
 
     def _engine(self, objective):
         import deepspeed
@@ -118,10 +117,10 @@ class HeadTrainer:
                   "zero_optimization": {"stage": self.cfg.deepspeed.zero_stage},
                   "bf16": {"enabled": self.cfg.deepspeed.dtype == "bf16"}, "zero_allow_untested_optimizer": True}
         if o.name == "muon":
-            # DeepSpeed's own Muon (ARCHITECTURE.md §5): Muon for the matrices, AdamW for the rest, both
+            # DeepSpeed's own Muon (ARCHITECTURE.md §6): Muon for the matrices, AdamW for the rest, both
             # scheduled alike. ZeRO-3 refuses it beside its gradient reduce-scatter, so there gradients are
             # all-reduced. On CPU the AdamW half is torch's: DeepSpeed's FusedAdam is a C++ op built per
-            # install (~50 s; §9).
+            # install (~50 s; §13).
             if self.cfg.deepspeed.zero_stage == 3:
                 ds_cfg["zero_optimization"]["reduce_scatter"] = False
             ds_cfg["optimizer"] = {"type": "Muon", "params": {
@@ -136,8 +135,8 @@ class HeadTrainer:
             lr_scheduler=lambda built: torch.optim.lr_scheduler.LambdaLR(built, lr_at))
         return engine
 
-    def forward(self, rows: list[dict], loss_on: str = "assistant") -> tuple[dict, int]:
-        b = collate(rows, self.storage_dtype, self.spec.hidden_size, loss_on)
+    def forward(self, rows: list[dict]) -> tuple[dict, int]:
+        b = collate(rows, self.storage_dtype, self.spec.hidden_size)
         ids, mask = b["input_ids"].to(self.device), b["loss_mask"].to(self.device)
         with torch.no_grad():
             emb = self.target.embed(ids)
@@ -226,7 +225,6 @@ class TrainLoop:
         self.last_epoch = min(cfg.epochs, config.get("stop_epoch") or cfg.epochs)  # hybrid: the streamed epoch
         self.seen = RowTally()
         self.cache = EpochCache(cfg.data.cache_mb if config.get("cache_rows", True) else 0)
-        self.pace = RankPace() if cfg.data.rank_speeds == "measured" else None
         self.state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "best_tau": -1.0, "history": []}
         ckpt = ray.train.get_checkpoint()
         if ckpt:
@@ -271,8 +269,7 @@ class TrainLoop:
         stream = MicroBatches(self.epoch_rows(), cfg.data.max_tokens_per_batch, cfg.data.max_rows_per_batch,
                               cfg.data.bucket_pool, cfg.data.seed, st["epoch"],
                               self.run.flops,
-                              RankPeers(self.run.rank, self.run.world) if self.run.world > 1 else Alone(),
-                              cfg.data.balance, self.pace, st.setdefault("pool_speeds", {}), cfg.data.order)
+                              RankPeers(self.run.rank, self.run.world) if self.run.world > 1 else Alone())
         if st["batches_in_epoch"]:  # replay the epoch's order up to where we stopped
             replayed = 0
             for _ in range(st["batches_in_epoch"]):
@@ -285,12 +282,9 @@ class TrainLoop:
                       f"of epoch {st['epoch']}: {how}", flush=True)
         return stream
 
-    def train_micro_batch(self, rows: list[dict], stream: MicroBatches) -> None:
+    def train_micro_batch(self, rows: list[dict]) -> None:
         run, st = self.run, self.state
-        t0 = time.perf_counter()
-        out, ntok = run.forward(rows, self.cfg.data.loss_on)
-        if self.pace:
-            self.pace.add(batch_cost(stream, rows), time.perf_counter() - t0)
+        out, ntok = run.forward(rows)
         with run.update_ctx():
             run.engine.backward(out["loss"])
             # Checked after backward, whose gradient all-reduce has just lined the ranks up (a sync between
@@ -355,7 +349,7 @@ class TrainLoop:
             if rows is None:
                 self.end_epoch()
                 return False
-            self.train_micro_batch(rows, stream)
+            self.train_micro_batch(rows)
             if self.state["batches_in_epoch"] % self.cfg.optim.grad_accum == 0 and self.after_step():
                 # The last step may also end the epoch: record its tally when nothing is left on any rank.
                 if stream.next_batch() is None:
@@ -363,14 +357,12 @@ class TrainLoop:
                 return True
 
     def end_epoch(self) -> None:
-        """The epoch's row tally, the rank speeds its pools were planned with (None: equal work) and its
-        training seconds: reading and steps, without its evaluations and checkpoints (what a peer's epoch
-        progress bar times; the first epoch also waits for the data pipeline to start)."""
+        """The epoch's row tally and its training seconds: reading and steps, without its evaluations and
+        checkpoints (what a peer's epoch progress bar times; the first epoch also waits for the data pipeline
+        to start)."""
         st = self.state
-        speeds = [st["pool_speeds"][k] for k in sorted(st["pool_speeds"], key=int)]
         train_s = round(time.perf_counter() - self.epoch_t0 - self.aside_s, 2)
-        st["history"].append({"epoch_end": st["epoch"], **self.seen.total(self.run.world), "pool_speeds": speeds,
-                              "train_s": train_s})
+        st["history"].append({"epoch_end": st["epoch"], **self.seen.total(self.run.world), "train_s": train_s})
 
     def __call__(self) -> None:
         st = self.state
@@ -382,7 +374,6 @@ class TrainLoop:
             if not done:
                 st["epoch"] += 1
                 st["batches_in_epoch"] = 0
-                st["pool_speeds"] = {}
         if not self.val:  # nothing to choose by: the final head is the best one
             self.run.save_best({"step": st["global_step"], "note": "no validation rows; final weights"})
         elif not any(h.get("step") == st["global_step"] and "sim_tau" in h for h in st["history"]):

@@ -1,4 +1,4 @@
-"""Where training rows come from (`data.source`, docs/ARCHITECTURE.md §10).
+"""Where training rows come from (`data.source`, docs/ARCHITECTURE.md §7).
 
 - parquet: the pipeline's capture shards (`data.shards`), written beforehand.
 - stream: the pipeline YAML (`data.pipeline`) runs its text stages (ingest, regenerate, tokenize, vocab:

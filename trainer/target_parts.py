@@ -1,6 +1,6 @@
 """The target tensors the trainer needs (input embedding, lm_head and its bias), read without loading
 the model, and the two functions built on them: `embed` (what the draft is fed) and `logits` (the
-target's real next-token logits, transforms included; ARCHITECTURE.md "The target").
+target's real next-token logits, transforms included; ARCHITECTURE.md §4).
 
 Parameter names are discovered on a meta-device instance of the target's own class, then only those
 tensors are read from its safetensors files (a 70B target costs two matrices of memory, not 140 GB).
@@ -52,7 +52,7 @@ class TargetParts:
         """Copies on `device`; the lm_head in fp32, except on a GPU when the weights are bf16 and the
         hidden states fed to `logits` are bf16 (`bf16_hidden`): then it stays bf16 and `logits` runs one
         bf16 GEMM that accumulates and returns fp32, the same products as the fp32 GEMM (bf16 x bf16 is
-        exact in fp32) at a fraction of the time (docs/ARCHITECTURE.md "Target logits on a GPU")."""
+        exact in fp32) at a fraction of the time (docs/ARCHITECTURE.md §4)."""
         bias = None if self.lm_bias is None else self.lm_bias.to(device, torch.float32)
         keep = bf16_hidden and torch.device(device).type == "cuda" and self.lm_weight.dtype == torch.bfloat16
         lm_weight = self.lm_weight.to(device, None if keep else torch.float32)

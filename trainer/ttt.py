@@ -1,4 +1,4 @@
-"""Training-time test (ARCHITECTURE.md §5) as pure functions: shifts, attention masks, positions, loss, tau.
+"""Training-time test (ARCHITECTURE.md §6) as pure functions: shifts, attention masks, positions, loss, tau.
 
 Step s, position i: the draft element pairs the feature standing in for target position i + s with the
 embedding of token i + 1 + s, is rotated at RoPE position i + s, and learns the target distribution at
@@ -82,7 +82,7 @@ def target_distribution(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple
 
 
 def step_loss(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor, positions: int) -> torch.Tensor:
-    """-sum_rows weight * sum_v p * log_softmax(draft) / positions (ARCHITECTURE.md §5): rows are the
+    """-sum_rows weight * sum_v p * log_softmax(draft) / positions (ARCHITECTURE.md §6): rows are the
     counted positions only; dividing by all B*T positions keeps the dense formula's scale."""
     return position_losses(draft_logits, target_p, weight, confidence=False)[0].sum() / positions
 
@@ -153,14 +153,6 @@ class StepSums:
                 "tokens": float(t[3 * L + 1])}
 
 
-def noisy_aux(aux: torch.Tensor, std: float, groups: int = 3) -> torch.Tensor:
-    """aux [B,T,groups*Ht] plus N(0, (std * rms)^2) noise, rms per position and aux state (each of the
-    `groups` slices of the last dim has its own scale: low, mid and high layers differ by orders)."""
-    x = aux.unflatten(-1, (groups, -1))
-    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)
-    return (x + torch.randn_like(x) * (std * rms)).flatten(-2)
-
-
 def step_weights(ttt_length: int, decay: float) -> list[float]:
     return [decay ** s for s in range(ttt_length)]
 
@@ -199,18 +191,16 @@ class TTTObjective(nn.Module):
     inside the sequence): prompt, padding and the tail past the sequence cost no vocab-sized work."""
 
     def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
-                 compile: bool = False, loss_mean: str = "padded", off_vocab: str = "drop", aux_noise: float = 0.0,
-                 labels: str = "soft", dpace_alpha: float | None = None):
-        """loss_mean: "padded" divides each step's loss sum by every position of the batch (padding and
-        prompt included), "counted" by the positions that step counts (each step a mean, every batch the
-        same weight: speculators'). off_vocab: where the target's argmax is outside the draft vocabulary,
-        "drop" the position from the loss, or "keep" it (the target's distribution over the draft vocab).
-        aux_noise: `noisy_aux`'s relative std, in training mode only. labels: "soft" (the target's
+                 compile: bool = False, off_vocab: str = "drop", labels: str = "soft",
+                 dpace_alpha: float | None = None):
+        """Each step's loss sum is divided by every position of the batch (padding and prompt included).
+        off_vocab: where the target's argmax is outside the draft vocabulary, "drop" the position from the
+        loss, or "keep" it (the target's distribution over the draft vocab). labels: "soft" (the target's
         distribution) or "hard" (its argmax). dpace_alpha: weigh each position's steps by `dpace_weights`
         (each start position a chain of ttt_length steps) in place of decay ** s."""
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
-        self.loss_mean, self.keep_off_vocab, self.aux_noise = loss_mean, off_vocab == "keep", aux_noise
+        self.keep_off_vocab = off_vocab == "keep"
         self.hard, self.dpace_alpha = labels == "hard", dpace_alpha
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self.step_loss = step_loss
@@ -224,8 +214,8 @@ class TTTObjective(nn.Module):
         return self.ttt_length
 
     def compile_pieces(self) -> None:
-        """torch.compile the step's pieces between the attention calls (ARCHITECTURE.md §5, "Compiled
-        step"): the head's qkv and finish (fixed shapes per batch shape), its logits and the step loss (the
+        """torch.compile the step's pieces between the attention calls (ARCHITECTURE.md §6,
+        "Attention"): the head's qkv and finish (fixed shapes per batch shape), its logits and the step loss (the
         counted rows differ per step: dynamic). The attention stays outside, an autograd Function of its own."""
         head = self.head
         head.qkv, head.finish = torch.compile(head.qkv), torch.compile(head.finish)
@@ -237,8 +227,6 @@ class TTTObjective(nn.Module):
         """target_p [N,Vd] and target_argmax [N]: the compact target table of `target_rows`, whose
         `row` [B,T] is target_row; loss_mask [B,T]."""
         total = aux.new_zeros((), dtype=torch.float32)
-        if self.training and self.aux_noise:
-            aux = noisy_aux(aux, self.aux_noise)
         positions = loss_mask.numel()
         losses, correct, counted, parts = [], [], [], []
         for s, x in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length, self.flash)):
@@ -248,13 +236,12 @@ class TTTObjective(nn.Module):
             tgt_am = target_argmax[rows]
             weight = (torch.ones_like(tgt_am, dtype=logits.dtype) if self.keep_off_vocab
                       else self.head.t2d[tgt_am].to(logits.dtype))
-            denom = positions if self.loss_mean == "padded" else max(1, len(sel))
             if self.hard or self.dpace_alpha is not None:
                 elem, conf = position_losses(logits, target_p[rows], weight, self.hard)
-                loss = elem.sum() / denom
-                parts.append((sel, elem, conf, denom))
+                loss = elem.sum() / positions
+                parts.append((sel, elem, conf))
             else:
-                loss = self.step_loss(logits, target_p[rows], weight, denom)
+                loss = self.step_loss(logits, target_p[rows], weight, positions)
             if self.dpace_alpha is None:
                 total = total + self.weights[s] * loss
             losses.append(loss.detach())
@@ -267,14 +254,14 @@ class TTTObjective(nn.Module):
                 "step_count": torch.stack(counted).float()}
 
     def _dpace_total(self, parts: list, positions: int) -> torch.Tensor:
-        """sum over steps s of sum_rows w[row, s] * loss / the step's denominator, where each start position
-        (flat row) is a chain over the steps and w its `dpace_weights` (zero where a step does not count)."""
+        """sum over steps s of sum_rows w[row, s] * loss / positions, where each start position (flat row)
+        is a chain over the steps and w its `dpace_weights` (zero where a step does not count)."""
         conf = parts[0][2].new_zeros((positions, len(parts)))
         valid = torch.zeros(conf.shape, dtype=torch.bool, device=conf.device)
-        for s, (sel, _, c, _) in enumerate(parts):
+        for s, (sel, _, c) in enumerate(parts):
             conf[sel, s], valid[sel, s] = c.to(conf.dtype), True
         w = dpace_weights(conf, valid, self.dpace_alpha)
-        return sum((w[sel, s].to(elem.dtype) * elem).sum() / denom for s, (sel, elem, _, denom) in enumerate(parts))
+        return sum((w[sel, s].to(elem.dtype) * elem).sum() / positions for s, (sel, elem, _) in enumerate(parts))
 
 
 def _add_head_prefix(state: dict, prefix: str, *_args) -> None:

@@ -1,5 +1,5 @@
-"""TTT attention on PyTorch's flash-attention kernels, CPU and CUDA (ARCHITECTURE.md §5, "TTT attention
-kernels").
+"""TTT attention on PyTorch's flash-attention kernels, CPU and CUDA (ARCHITECTURE.md §6,
+"Attention").
 
 Step s's queries see the step-0 keys causally plus their own position's keys from steps 1..s (the
 diagonal; see trainer/ttt.py). The causal block is the flash kernel's `is_causal` case, which never builds
@@ -15,7 +15,7 @@ step (2 x 1000 tokens, 9 heads, TTT 7, one thread) the attention forward + backw
 (blocked, materialised) to 0.8 s, and the memory traffic that made two workers contend goes with it.
 On CUDA the same merge runs on the FlashAttention-2 kernel (`_scaled_dot_product_flash_attention`: bf16 /
 fp16, head dim <= 256, sm80 or newer), which keeps a Llama-3.1-8B-shaped step's [B, h, T, T] fp32 scores
-out of memory (docs/RESULTS.md "GPU").
+out of memory.
 `trainer.ttt.ttt_attention` stays the reference (and the path elsewhere); tests compare both with the
 dense mask, gradients included.
 """

@@ -12,7 +12,8 @@ import logging
 
 import torch
 
-from trainer.head import HeadConfig, build_head, head_config_from_target, normal_init
+from trainer.head import HeadConfig, head_config_from_target
+from trainer.kinds import build_head
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,6 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
     `target` is then the target's folder), its fc passing the high aux state (`fc_init: high`), or another
     head's weights (`init_from`, of the same kind); lm_head frozen on request."""
     head = build_head(hcfg)
-    if model.init_std is not None:
-        normal_init(head, model.init_std)
     if model.layers_init == "target":
         from trainer.target_parts import load_target_layers
         layers, final_norm = load_target_layers(target, list(range(num_layers - hcfg.num_layers, num_layers)))

@@ -1,0 +1,53 @@
+"""eagleray cluster up|down|check: a local multi-node Ray cluster (infer/cluster/local.py) and its check.
+
+    eagleray cluster up                     # head + 2 workers; prints the addresses; stays up (state file)
+    eagleray cluster down                   # stops what `up` started, by pid
+    eagleray cluster check                  # up, every stage by `ray job submit`, faults, down; JSON last
+    eagleray cluster check --throughput     # and tokens/s on one worker node against two
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from infer.cluster.check import run_check
+from infer.cluster.local import ROOT, LocalCluster, stop_processes
+
+STATE = ROOT / "runs" / "cluster" / "cluster.json"
+
+
+def up(args) -> dict:
+    cluster = LocalCluster(Path(args.dir), workers=args.workers).start()
+    state = {"root": str(cluster.root), "address": cluster.address, "dashboard": cluster.dashboard,
+             "nodes": [n.name for n in cluster.nodes]}
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    STATE.write_text(json.dumps(state, indent=2))
+    return state
+
+
+def down(args) -> dict:
+    state = json.loads(STATE.read_text()) if STATE.is_file() else {"root": args.dir}
+    stopped = stop_processes((str(Path(state["root"])) + "/",
+                              *([f"--address={state['address']}"] if state.get("address") else [])))
+    STATE.unlink(missing_ok=True)
+    return {"stopped_processes": len(stopped)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="eagleray cluster", description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=("up", "down", "check"))
+    ap.add_argument("--dir", default="/tmp/eagleray-cluster",
+                    help="the nodes' temp dirs (short: Ray's socket paths live under it)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "cluster" / "check")
+    ap.add_argument("--throughput", action="store_true",
+                    help="check: also capture and training tokens/s on one worker node against two (~10 min)")
+    args = ap.parse_args(argv)
+    result = {"up": up, "down": down, "check": run_check}[args.action](args)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
