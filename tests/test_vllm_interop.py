@@ -1,4 +1,4 @@
-"""Our exported heads in vLLM's CPU build (installed in .venv by `make install`), through infer/checks/vllm.py.
+"""Our exported heads in vLLM's CPU build (installed in .venv by `make install`), through infer/checks/vllm_interop.py.
 
 The checker must agree with our engine on a good head in both formats, and must see a head broken the
 ways real exports break (wrong d2t, aux states fed in the wrong order, aux ids in the wrong numbering)
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.checks import vllm as check_vllm
+from infer.checks import vllm_interop as check_vllm
 from conftest import TEST_THREADS
 
 ROOT = Path(__file__).resolve().parents[1]

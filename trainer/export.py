@@ -6,7 +6,7 @@ in each engine's own numbering, so no engine falls back on a default rule of its
 model class): SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`, as outputs (j); vLLM
 reads the top-level `eagle_aux_hidden_state_layer_ids` first, as inputs (j + 1), and falls back on
 `eagle_config`'s with the same input meaning. The SGLang-format file therefore carries both fields, so
-one folder picks the same layers in both engines (infer/checks/vllm.py measured the single-field file
+one folder picks the same layers in both engines (infer/checks/vllm_interop.py measured the single-field file
 in vLLM one layer off: tau 2.73 instead of 2.93 on the demo head). Every export and import checks the
 key set exactly: vLLM loads a head with a missing tensor silently.
 """

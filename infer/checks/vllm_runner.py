@@ -1,5 +1,5 @@
 """A process of its own for vLLM (its engine owns the process's threads): greedy EAGLE-3 chain decoding of
-token-id prompts, one engine per run, every run in this one process. Driven by infer/checks/vllm.py.
+token-id prompts, one engine per run, every run in this one process. Driven by infer/checks/vllm_interop.py.
 
     .venv/bin/python -m infer.checks.vllm_runner REQUEST.json RESULT.json
 

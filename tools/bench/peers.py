@@ -204,7 +204,7 @@ def train_speculators(name: str, flags: list[str], prep: Path, out: Path) -> dic
 
 def judge(args, heads: dict[str, Path], prompts: list[list[int]], out: Path) -> dict[str, dict]:
     """vLLM's chain tau at each k for every head, and our engine's at k=3 where it imports the head."""
-    from infer.checks import vllm as check_vllm
+    from infer.checks import vllm_interop as check_vllm
     from infer.generate import EagleGenerator
 
     res: dict[str, dict] = {name: {} for name in heads}

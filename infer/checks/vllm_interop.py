@@ -1,6 +1,6 @@
 """Interop check: our exported heads in vLLM (its CPU build) against our own chain decoding.
 
-    python -m infer.checks.vllm [--target runs/demo/target] [--head-dir runs/demo/head]
+    eagleray check-vllm [--target runs/demo/target] [--head-dir runs/demo/head]
         [--heads NAME=DIR ...] [--vllm-python PYTHON] [--k 3] [--n 40]
         [--max-new-tokens 96] [--prompts FILE.jsonl] [--dtype float32|bfloat16] [--no-vanilla]
 
