@@ -10,6 +10,7 @@ FastAPI must see the handlers' real parameter types. The application is importab
 import asyncio
 import logging
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -23,7 +24,7 @@ from ray import serve
 
 from infer.generate import SpecSettings, TreeShape
 from infer.openai_api import (SSE_DONE, ChatRequest, CompletionRequest, RequestError, Sampling, finish_reason,
-                              make_api, response_body, sse_chunk)
+                              make_api, refusal, response_body, sse_chunk, summed_usage)
 from pipeline.cluster import ensure_ray
 from pipeline.config import VllmEngine
 from pipeline import storage
@@ -153,10 +154,14 @@ class EagleServer:
         if req.model != self.cfg.model_name:
             raise RequestError(404, f"model '{req.model}' does not exist; this server has "
                                     f"'{self.cfg.model_name}'", "model", "model_not_found")
-        n = req.max_tokens if req.max_tokens is not None else min(self.cfg.default_max_tokens,
-                                                                   self.cfg.max_tokens_limit)
+        refused = refusal(req)
+        if refused:
+            raise RequestError(400, refused[1], refused[0])
+        n = req.new_tokens()
+        n = n if n is not None else min(self.cfg.default_max_tokens, self.cfg.max_tokens_limit)
         if n <= 0 or n > self.cfg.max_tokens_limit:
-            raise RequestError(400, f"max_tokens must be in 1..{self.cfg.max_tokens_limit}, got {n}", "max_tokens")
+            param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+            raise RequestError(400, f"{param} must be in 1..{self.cfg.max_tokens_limit}, got {n}", param)
         if prompt_len + n > self.context:
             raise RequestError(400, f"prompt ({prompt_len} tokens) + max_tokens ({n}) exceeds the context "
                                     f"length {self.context}", "messages" if isinstance(req, ChatRequest) else "prompt")
@@ -201,10 +206,16 @@ class EagleServer:
         head = (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), req.model, chat)
         if req.stream:
             return StreamingResponse(self._events(head, ids, settings, request), media_type="text/event-stream")
-        g, why = await self._run(ids, settings, None)
-        if why == "timeout":
-            raise RequestError(504, f"request exceeded request_timeout_s={self.cfg.request_timeout_s}", None, "timeout")
-        return response_body(*head, self._text(g.tokens), finish_reason(g.finish_reason), self._usage(ids, g))
+        choices, usages = [], []
+        for i in range(req.n):  # n independent samples, each its own seed when the request gives one
+            one = settings if req.seed is None else settings.model_copy(update={"seed": req.seed + i})
+            g, why = await self._run(ids, one, None)
+            if why == "timeout":
+                raise RequestError(504, f"request exceeded request_timeout_s={self.cfg.request_timeout_s}", None,
+                                   "timeout")
+            choices.append((self._text(g.tokens), finish_reason(g.finish_reason)))
+            usages.append(self._usage(ids, g))
+        return response_body(*head, choices, summed_usage(usages))
 
     async def _events(self, head: tuple, ids, settings, request: Request):
         """Server-sent events: one chunk per verify round with new text, a final chunk with usage, [DONE].
@@ -278,6 +289,8 @@ def build_application(cfg: ServeConfig):
         num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.num_cpus_per_replica, "num_gpus": cfg.num_gpus_per_replica,
                            "resources": cfg.resources_per_replica},
+        # a replica being stopped finishes the requests it holds, each within its own deadline
+        graceful_shutdown_timeout_s=cfg.request_timeout_s + 5,
     ).bind(cfg)
 
 
@@ -342,12 +355,30 @@ def main(argv: list[str] | None = None) -> None:
     if args.detach:
         print(f"deployed {cfg.model_name} at {url}/v1 (stop: serve shutdown)", flush=True)
         return
-    print(f"serving {cfg.model_name} at {url}/v1 (Ctrl-C to stop)", flush=True)
+    print(f"serving {cfg.model_name} at {url}/v1 (Ctrl-C or SIGTERM stops it once requests in flight end)",
+          flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # as a process manager stops a server: the same clean stop
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        drain(cfg)
         stop()
+        print(f"stopped {cfg.model_name}", flush=True)
+
+
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt
+
+
+def drain(cfg: ServeConfig) -> None:
+    """Delete the app: Serve stops routing to it and each replica finishes the requests it holds
+    (`graceful_shutdown_timeout_s`) before it exits."""
+    from ray import serve
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal does not cut the drain short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve.delete(cfg.app_name)
 
 
 if __name__ == "__main__":

@@ -94,11 +94,51 @@ def test_stream_ends_with_done(server):
     (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 65}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": "many"}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "messages": MSGS, "temperature": -0.5}).encode(), 400, "temperature"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "temperature": 1e9}).encode(), 400, "temperature"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "n": 3, "temperature": 0}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "n": 2, "stream": True}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "n": 17}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "logprobs": True, "top_logprobs": 2}).encode(), 400, "logprobs"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "presence_penalty": 0.5}).encode(), 400, "presence_penalty"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "frobnicate": 1}).encode(), 400, "frobnicate"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x", "mood": 1}]}).encode(), 400,
+     "messages.0.mood"),
+    (b'{"model": "tiny-eagle", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "body"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2100}]}).encode(), 400, "messages"),
 ])
 def test_bad_requests(server, body, status, param):
     code, err = post(server, "/v1/chat/completions", body)
     assert code == status and err["error"]["param"] == param and err["error"]["message"]
+
+
+def test_unknown_fields_are_named_as_openai_names_them(server):
+    code, err = post(server, "/v1/chat/completions",
+                     json.dumps({"model": MODEL, "messages": MSGS, "frobnicate": 1}).encode())
+    assert err["error"]["message"] == "Unrecognized request argument supplied: frobnicate"
+    code, err = post(server, "/v1/chat/completions", b'{"model": "x", "messages": "\xff"}')
+    assert code == 400 and set(err) == {"error"} and err["error"]["type"] == "invalid_request_error"
+
+
+def test_n_choices_are_independent_samples_with_usage_summed(server):
+    c = client(server)
+    ask = dict(model=MODEL, messages=MSGS, max_tokens=12, temperature=0.9, seed=7)
+    r = c.chat.completions.create(n=3, **ask)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert all(ch.finish_reason in ("stop", "length") and ch.message.content for ch in r.choices)
+    one = c.chat.completions.create(n=1, **ask)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert 3 <= r.usage.completion_tokens <= 36 and r.usage.total_tokens == r.usage.prompt_tokens + \
+        r.usage.completion_tokens
+    assert r.usage.model_extra["verify_rounds"] >= 3  # three decodes, each at least one round
+    again = c.chat.completions.create(n=3, **ask)  # a seed makes the whole set repeatable
+    assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in r.choices]
+    for extra in ({"max_completion_tokens": 5}, {"max_tokens": 5, "user": "u-1"}):  # honoured, not dropped
+        body = {"model": MODEL, "messages": MSGS, "temperature": 0, **extra}
+        code, out = post(server, "/v1/chat/completions", json.dumps(body).encode())
+        assert code == 200 and 1 <= out["usage"]["completion_tokens"] <= 5, (extra, code, out)
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 5, "stream_options": {"include_usage": True}}
+    code, out = post(server, "/v1/chat/completions", json.dumps(body).encode())  # as OpenAI: only with stream
+    assert code == 400 and out["error"]["param"] == "stream_options"
 
 
 def test_openai_client_raises_on_bad_request(server):
@@ -159,3 +199,50 @@ def test_api_key_rules(monkeypatch, tiny_target):
     assert with_api_key(open_cfg.model_copy(update={"api_key": "from-yaml"})).api_key == "from-yaml"
     with pytest.raises(ValueError, match="vllm backend"):
         with_api_key(ServeConfig(target=tiny_target, host="0.0.0.0", backend="vllm"))
+
+
+def test_sigterm_drains_requests_in_flight_then_exits_cleanly(tmp_path, tiny_target, tiny_head):
+    """`eagleray serve` stopped as a process manager stops it (SIGTERM): every request already sent
+    finishes whole, then the process exits 0 with no traceback. Its own Ray head: stopping Serve there
+    leaves the session's endpoint alone."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import start_head, stop_head, write_yaml
+
+    head = start_head()
+    port = _free_port()
+    cfg = write_yaml(tmp_path / "serve.yaml", {
+        "target": str(tiny_target), "head": str(tiny_head), "model_name": MODEL, "port": port,
+        "ray_address": head["address"], "app_name": "drain", "num_cpus_per_replica": 0,
+        "threads_per_replica": 1, "max_tokens_limit": 64, "request_timeout_s": 60})
+    proc = subprocess.Popen([sys.executable, "-m", "infer.serve", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=head["env"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for line in proc.stdout:  # the deployment is up once it says where it serves
+            if line.startswith("serving "):
+                break
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        def ask(i):
+            r = c.chat.completions.create(model=MODEL, max_tokens=64, temperature=0, messages=[
+                {"role": "user", "content": f"Tell me about the number {i}."}])
+            return r, time.monotonic()
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(ask, i) for i in range(8)]  # one replica, batch 1: they queue on it
+            time.sleep(0.5)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            results, done = zip(*[f.result() for f in futures])
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop_head(head["markers"])
+    assert proc.returncode == 0, out[-3000:]
+    assert max(done) > signalled  # some were still running when the signal came, and finished
+    assert all(r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+               for r in results)
+    assert "Traceback" not in out and "stopped tiny-eagle" in out, out[-3000:]
