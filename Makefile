@@ -57,7 +57,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	EAGLERAY_REQUIRE_VLLM=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
-# The fast tier: no Ray cluster, no vLLM engine, no training past a few steps (tests marked slow are left out).
+# The fast tier: no Ray cluster, no vLLM engine, no training but the tiny test target's (slow tests left out).
 check: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" --durations=10
 
