@@ -43,9 +43,7 @@ class TreeShape(StrictModel):
     # cost: each round grows and verifies what this machine's measured costs pay for (infer/round_cost.py)
     sizing: Literal["fixed", "cost"] = Field(
         "fixed", description="fixed: the shape every round; cost: depth and total_tokens are caps")
-    # auto: the fastest path whose probes keep the generic path's bits here (infer/cpu/: the lean target,
-    # packed, scripted, fused); generic: the HF forward and the head's own modules. Read when the model
-    # loads (eval's workers, serve's replicas); the start-up line `cpu path: ...` names the pick.
+    # read when the model loads (eval's workers, serve's replicas), not per request
     cpu_path: Literal["auto", "generic"] = Field(
         "auto", description="CPU: auto, the fastest path bit-identical here (infer/cpu/); generic: plain HF")
 
