@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from infer.draft import DraftCache
-from infer.round_cost import RoundPlan, cost_width
+from infer.round_cost import RoundPlan, sized_width
 from infer.tree import Tree
 from infer.tree_tensor import CandidateTable, finalize_tensor, rerank_tensor
 
@@ -43,6 +43,7 @@ class DFlashRunner:
         self.cache = LayerCaches(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, embed)
         self.level_logits: list[torch.Tensor] = []  # the last block's draft logits per level
         self.levels = 0
+        self.expected = 0.0
         self.table: CandidateTable | None = None
 
     def reset(self) -> None:
@@ -97,8 +98,6 @@ class DFlashRunner:
             m = frontier.numel()
             added = table.add(frontier, tok[d].expand(m, -1), lp[d].expand(m, -1))
         if plan is not None:
-            scores = torch.sort(table.scores[:table.n], descending=True).values
-            base = plan.base_ms + (levels - 1) * plan.level_ms
-            total_tokens = 1 + cost_width(scores, base, plan.node_ms, total_tokens - 1)
+            total_tokens, self.expected = sized_width(plan, table.scores[:table.n], levels, total_tokens)
         self.levels, self.table = levels, table
         return finalize_tensor(root_token, table, rerank_tensor(table, total_tokens))

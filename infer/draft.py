@@ -16,7 +16,7 @@ from infer import cpu
 from infer.cpu.fused import extension as fused_extension
 from infer.cpu.packed import NotPacked, PackedLinear, with_packed_linears
 from infer.cpu.scripted import draft_inputs, draft_outputs
-from infer.round_cost import RoundPlan, cost_width
+from infer.round_cost import RoundPlan, sized_width
 from infer.tree import Tree
 from infer.tree_tensor import CandidateTable, finalize_tensor, rerank_tensor
 from trainer.head import Eagle3Head
@@ -62,6 +62,7 @@ class DraftRunner:
         self.path = cpu.choose_draft(self, cpu_path)
         self.level_logits: list[torch.Tensor] = []  # the last tree's draft logits per level (tests read it)
         self.levels = 0  # draft levels the last tree grew (the root's children count as one)
+        self.expected = 0.0  # a sized tree's expected accepted tokens (round_cost.sized_width)
         self.table: CandidateTable | None = None  # the last tree's candidates, kept or not
 
     def reset(self) -> None:
@@ -229,7 +230,7 @@ class DraftRunner:
         self.level_logits = [root_logits[None]]
         frontier = table.best(table.add(torch.tensor([-1], device=dev), tok, lp), top_k)
         e, levels = 0, 1
-        log_threshold = math.log(plan.grow_threshold) if plan and plan.grow_threshold > 0 else -math.inf
+        log_threshold = plan.log_threshold() if plan is not None else -math.inf
         for _ in range(depth - 1):
             if plan is not None and float(table.scores[frontier].max()) < log_threshold:
                 break
@@ -253,8 +254,6 @@ class DraftRunner:
             tok, lp = children(logits)
             frontier = table.best(table.add(frontier, tok, lp), top_k)
         if plan is not None:
-            scores = torch.sort(table.scores[:table.n], descending=True).values
-            base = plan.base_ms + (levels - 1) * plan.level_ms
-            total_tokens = 1 + cost_width(scores, base, plan.node_ms, total_tokens - 1)
+            total_tokens, self.expected = sized_width(plan, table.scores[:table.n], levels, total_tokens)
         self.levels, self.table = levels, table
         return finalize_tensor(root_token, table, rerank_tensor(table, total_tokens))

@@ -41,6 +41,8 @@ class EvalConfig(StrictModel):
     out_dir: Location = Field(Path("runs/eval"), description="report.json, report.md, plots: folder or URI")
     benchmarks: list[Bench] = Field(description="the benchmarks to run")
     decode: SpecSettings = SpecSettings()
+    # the report's `fixed` columns: the same shape every round, decoded on the same turns
+    compare_fixed: bool = Field(True, description="also decode every turn with decode's shape fixed")
     dtype: ModelDtype = Field("auto", description="target and head")
     sweep: Sweep = Sweep()
     num_actors: int = Field(1, gt=0, description="Ray actors, each with a target and head")
@@ -73,21 +75,34 @@ class EvalWorker:
         """The generator's start-up line: which path the target and the head run, and why."""
         return self.gen.path_line
 
-    def run(self, bench: str, item: dict, settings: dict) -> list[dict]:
+    def run(self, bench: str, item: dict, settings: dict, compare_fixed: bool = False) -> list[dict]:
+        """Every turn decoded with the target alone, then (compare_fixed) the fixed tree, then `settings`;
+        each record holds all of them, so every ratio comes from one actor at one time."""
         tok, recs, history = self.gen.tokenizer, [], []
         spec_s = SpecSettings(**settings)
         van_s = spec_s.model_copy(update={"mode": "vanilla"})
+        fixed_s = spec_s.model_copy(update={"sizing": "fixed"}) if compare_fixed else None
         for t, question in enumerate(item["turns"]):
             history.append({"role": "user", "content": question})
             ids = tok.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]
             van = self.gen.generate(ids, van_s)
+            rec = {"bench": bench, "id": item["id"], "turn": t, "van_tokens": len(van.tokens),
+                   "van_seconds": van.stats.seconds}
+            if fixed_s is not None:
+                fixed = self.gen.generate(ids, fixed_s)
+                rec.update(fixed_record(fixed, van))
             spec = self.gen.generate(ids, spec_s)
             history.append({"role": "assistant", "content": spec.text})  # the model's own answer
-            recs.append({"bench": bench, "id": item["id"], "turn": t, "spec_tokens": len(spec.tokens),
-                         "spec_seconds": spec.stats.seconds, "rounds": spec.stats.rounds,
-                         "accepted": spec.stats.accepted, "van_tokens": len(van.tokens),
-                         "van_seconds": van.stats.seconds, "match": spec.tokens == van.tokens})
+            recs.append(dict(rec, spec_tokens=len(spec.tokens), spec_seconds=spec.stats.seconds,
+                             rounds=spec.stats.rounds, drafted=spec.stats.rounds - spec.stats.plain_steps,
+                             accepted=spec.stats.accepted, match=spec.tokens == van.tokens))
         return recs
+
+
+def fixed_record(g, van) -> dict:
+    """The compared fixed tree's part of a turn's record."""
+    return {"fixed_tokens": len(g.tokens), "fixed_seconds": g.stats.seconds, "fixed_rounds": g.stats.rounds,
+            "fixed_match": g.tokens == van.tokens}
 
 
 def load_items(cfg: EvalConfig) -> dict[str, list[dict]]:
@@ -102,12 +117,13 @@ def load_items(cfg: EvalConfig) -> dict[str, list[dict]]:
     return out
 
 
-def run_items(pool, jobs: list[tuple[str, dict]], settings: dict, desc: str) -> list[dict]:
+def run_items(pool, jobs: list[tuple[str, dict]], settings: dict, desc: str,
+              compare_fixed: bool = False) -> list[dict]:
     from tqdm import tqdm
 
     records = []
     with tqdm(total=len(jobs), desc=desc, unit="prompt") as bar:
-        for recs in pool.map_unordered(lambda a, job: a.run.remote(job[0], job[1], settings), jobs):
+        for recs in pool.map_unordered(lambda a, job: a.run.remote(job[0], job[1], settings, compare_fixed), jobs):
             records += recs
             bar.update(1)
     return records
@@ -133,13 +149,14 @@ def evaluate(cfg: EvalConfig) -> dict:
     pool = ActorPool(actors)
     settings = cfg.decode.model_dump()
     jobs = [(name, it) for name, its in items.items() for it in its]
+    compare = cfg.compare_fixed and cfg.decode.sizing == "adaptive" and cfg.decode.mode != "vanilla"
     report = {"target": str(cfg.target), "head": storage.redact(cfg.head), "settings": settings,
-              "benchmarks": aggregate(run_items(pool, jobs, settings, "eval"), cfg.decode.depth)}
+              "benchmarks": aggregate(run_items(pool, jobs, settings, "eval", compare), cfg.decode.depth)}
     if cfg.sweep.enabled:
         sub = [(name, it) for name, its in items.items() for it in its[: cfg.sweep.prompts]]
         report["sweep"] = []
         for k, d, n in itertools.product(cfg.sweep.top_k, cfg.sweep.depth, cfg.sweep.total_tokens):
-            s = dict(settings, top_k=k, depth=d, total_tokens=n)
+            s = dict(settings, top_k=k, depth=d, total_tokens=n, sizing="fixed")  # a sweep of shapes
             agg = aggregate([dict(r, bench="all") for r in run_items(pool, sub, s, f"sweep {k}/{d}/{n}")], d)["all"]
             report["sweep"].append({"top_k": k, "depth": d, "total_tokens": n, "tau": agg["tau"],
                                     "speedup": agg["speedup"], "match_rate": agg["match_rate"]})
@@ -156,8 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_or_exit(EvalConfig, args.config, args.overrides)
     with errors_exit("eval"):
         report = evaluate(cfg)
-    per = "; ".join(f"{n} tau {b['tau']:.2f}, {b['speedup']:.2f}x, identical {b['match_rate']:.0%}"
-                    for n, b in report["benchmarks"].items())
+    per = "; ".join(f"{n} tau {b['tau']:.2f}, {b['speedup']:.2f}x" + (
+        f" (fixed {b['fixed']['speedup']:.2f}x)" if "fixed" in b else "") + f", identical {b['match_rate']:.0%}"
+        for n, b in report["benchmarks"].items())
     print(f"[eval] {per}; {storage.redact(storage.join(cfg.out_dir, 'report.md'))}", flush=True)
     return report
 

@@ -10,6 +10,7 @@ path, and let the draft ingest the committed positions' aux states from that sam
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,9 +41,11 @@ class TreeShape(StrictModel):
     top_k: int = Field(4, gt=0, description="tree: children kept per node")
     depth: int = Field(5, gt=0, description="draft levels per round")
     total_tokens: int = Field(16, gt=1, description="tree: nodes verified per round, the root included")
-    # cost: each round grows and verifies what this machine's measured costs pay for (infer/round_cost.py)
-    sizing: Literal["fixed", "cost"] = Field(
-        "fixed", description="fixed: the shape every round; cost: depth and total_tokens are caps")
+    # adaptive: each round grows and verifies what this machine's measured costs and this request's
+    # acceptance so far pay for, down to no draft at all (infer/round_cost.py)
+    sizing: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: depth and total_tokens are caps, sized per round; fixed: the shape "
+                                "every round")
     # read when the model loads (eval's workers, serve's replicas), not per request
     cpu_path: Literal["auto", "generic"] = Field(
         "auto", description="CPU: auto, the fastest path bit-identical here (infer/cpu/); generic: plain HF")
@@ -56,6 +59,9 @@ class SpecSettings(TreeShape):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     seed: int | None = Field(None, description="sampling seed; null: unseeded")
     stop: list[str] = Field([], description="strings that end the generation")
+    # raw: the target's log_softmax before temperature and top-p (`token_logprobs`)
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="null: none; k: each token's raw target logprob and its k likeliest rivals")
 
     @classmethod
     def from_eagle(cls, top_k: int, depth: int, total_token: int, **kw) -> "SpecSettings":
@@ -115,6 +121,21 @@ class Generation:
     text: str
     stats: SpecStats
     finish_reason: str | None  # "eos" | "stop" | "length"; None on intermediate stream snapshots
+    # SpecSettings.logprobs set: one entry per token, logprobs[i] for tokens[i] (`token_logprobs`); else None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [n, V], row i the target's scores of the position that emitted tokens[i] -> per token
+    (its log-probability, [(token id, log-probability)] of the row's k most likely tokens, most likely
+    first). Raw: log_softmax in float32 of the target's logits, before temperature and top-p (vLLM's
+    default raw logprobs), so they describe the target whatever the request samples with."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [(c, []) for c in chosen]
+    vals, ids = lp.topk(k, dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist())]
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -151,7 +172,7 @@ class EagleGenerator:
         eos = target.generation_config.eos_token_id if target.generation_config else None
         eos = eos if eos is not None or tokenizer is None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.costs: RoundCosts | None = None  # measured on the first `sizing: cost` round
+        self.costs: RoundCosts | None = None  # measured on the first `sizing: adaptive` round
 
     def round_costs(self, top_k: int) -> RoundCosts:
         """This machine's costs for this target + head (infer/round_cost.py), measured once (~1 s)."""
@@ -187,6 +208,11 @@ class EagleGenerator:
         probs = sampling_probs(logits[None], s.temperature, s.top_p)[0].cpu()
         return int(torch.multinomial(probs, 1, generator=gen))
 
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int], s: SpecSettings) -> list:
+        """`token_logprobs` of tokens (row i of logits scores tokens[i]); [] when s asks none."""
+        return [] if s.logprobs is None else token_logprobs(logits, tokens, s.logprobs)
+
     def _finish(self, out: list[int], s: SpecSettings) -> tuple[list[int], str | None]:
         """Cut at EOS, a stop string or max_new_tokens; returns (tokens, reason or None to go on).
         A round can carry tokens past max_new_tokens: they are dropped before looking for EOS."""
@@ -212,12 +238,13 @@ class EagleGenerator:
     @torch.no_grad()
     def stream(self, prompt_ids: list[int], s: SpecSettings = SpecSettings()):
         """Yields a Generation after the prefill and after every round (tokens so far, stats, finish
-        reason None until the last). Closing the iterator stops decoding between rounds."""
+        reason None until the last, logprobs so far when asked). Closing the iterator stops decoding
+        between rounds. `lps[i]` is tokens[i]'s entry, cut with the tokens (`_finish` keeps a prefix)."""
         if s.cpu_path != "auto" and s.cpu_path != self.cpu_path:  # the path is fixed when the model loads
             raise ValueError(f"cpu_path: {s.cpu_path} needs a generator built with it "
                              f"(EagleGenerator(..., cpu_path={s.cpu_path!r})); this one runs {self.cpu_path}")
         mode = s.mode if self.draft is not None else "vanilla"
-        if s.sizing == "cost" and mode != "vanilla":  # measured once, before this decode's clock starts
+        if s.sizing == "adaptive" and mode != "vanilla":  # measured once, before this decode's clock starts
             self.round_costs(1 if mode == "chain" else s.top_k)
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
@@ -228,20 +255,21 @@ class EagleGenerator:
         plen = len(prompt_ids)
         logits, aux = self.target.forward(prompt, torch.arange(plen), cache, last_only=True)
         out = [self._pick(logits[-1], s, gen)]
+        lps = self._logprobs(logits[-1:], out, s)  # the prefill's last row scores the first token
         out, reason = self._finish(out, s)
-        yield self._snapshot(out, stats, reason, t0)
+        yield self._snapshot(out, stats, reason, t0, lps[: len(out)] if s.logprobs is not None else None)
         if mode != "vanilla" and reason is None:
             self.draft.reset()
             nxt = torch.cat([prompt[1:], torch.tensor(out[-1:])])
             hid, dlog = self.draft.ingest(aux, nxt.to(aux.device), torch.arange(plen, device=aux.device))
         # cost sizing: rounds that do not pay become plain steps; `pending` holds the draft's inputs
         # (aux rows, next tokens, positions) for the positions it skipped, ingested at the next drafting round
-        gate = DraftGate() if s.sizing == "cost" and mode != "vanilla" else None
+        gate = DraftGate() if s.sizing == "adaptive" and mode != "vanilla" else None
         pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         while reason is None:
             t_round = time.perf_counter()
             if mode == "vanilla" or (gate is not None and not gate.drafts()):
-                token, aux = self._plain_step(out[-1], plen, cache, s, gen, stats)
+                token, aux, lp = self._plain_step(out[-1], plen, cache, s, gen, stats)
                 if mode == "vanilla":
                     stats.accepted.append(0)
                 else:
@@ -251,15 +279,18 @@ class EagleGenerator:
                     pending.append((aux, torch.tensor([token], device=dev), torch.tensor([plen], device=dev)))
                 plen += 1
                 out, reason = self._finish(out + [token], s)
+                lps = (lps + lp)[: len(out)]
             else:
                 catch_up = 0.0
                 if pending:  # catch the draft up on the plain steps
                     hid, dlog = self._ingest(pending)
                     pending, catch_up = [], time.perf_counter() - t_round
-                accepted, new, aux = self._round(out[-1], hid, dlog, plen, cache, s, mode, depth, gen, stats, gate)
+                accepted, new, aux, lp = self._round(out[-1], hid, dlog, plen, cache, s, mode, depth, gen, stats,
+                                                     gate)
                 stats.add_split("draft", catch_up)
                 before = len(out)
                 out, reason = self._finish(out + new, s)
+                lps = (lps + lp)[: len(out)]
                 stats.eos_in_tree |= reason == "eos" and len(out) - before < len(new)
                 stats.cut_mid_round |= reason == "length" and len(out) - before < len(new)
                 if reason is None:
@@ -274,16 +305,18 @@ class EagleGenerator:
                     plen += len(accepted)
                     stats.add_split("draft", time.perf_counter() - t_ingest)
             stats.split["other"] += time.perf_counter() - t_round - stats.round_seconds()
-            yield self._snapshot(out, stats, reason, t0)
+            yield self._snapshot(out, stats, reason, t0, lps if s.logprobs is not None else None)
 
     def _plain_step(self, root: int, plen: int, cache, s: SpecSettings, gen, stats: SpecStats):
-        """One 1-token target forward at position plen -> (the picked token, its aux states [1, 3H])."""
+        """One 1-token target forward at position plen -> (the picked token, its aux states [1, 3H], its
+        logprob entries: [] or the one of the picked token, scored by this forward's row)."""
         t0 = time.perf_counter()
         stats.begin_round()
         logits, aux = self.target.forward(torch.tensor([root]), torch.tensor([plen]), cache)
         stats.add_split("verify", time.perf_counter() - t0)
         stats.rounds += 1
-        return self._pick(logits[-1], s, gen), aux
+        token = self._pick(logits[-1], s, gen)
+        return token, aux, self._logprobs(logits[-1:], [token], s)
 
     def _ingest(self, pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
         """One draft ingest of the positions the plain steps (and the round before them) skipped."""
@@ -291,12 +324,17 @@ class EagleGenerator:
         return self.draft.ingest(aux, tokens, positions.to(aux.device))
 
     def _round(self, root: int, hid, dlog, plen: int, cache, s: SpecSettings, mode: str, depth: int, gen,
-               stats: "SpecStats", gate: DraftGate | None = None) -> tuple[list[int], list[int], torch.Tensor]:
+               stats: "SpecStats", gate: DraftGate | None = None
+               ) -> tuple[list[int], list[int], torch.Tensor, list]:
         """One speculative round: draft a tree, verify it in one target forward, accept, compact the
-        target's cache. -> (accepted node indices, new tokens incl. the bonus, the verify's aux states)."""
+        target's cache. -> (accepted node indices, new tokens incl. the bonus, the verify's aux states, the
+        new tokens' logprob entries or []). Verify row j scores node j's next token: the row of the i-th
+        accepted node scores new[i] (the next accepted node's token, or the bonus)."""
         t0 = time.perf_counter()
         k, total = (1, depth + 1) if mode == "chain" else (s.top_k, s.total_tokens)
-        plan = self.round_costs(k).plan(plen) if s.sizing == "cost" else None
+        plan = self.round_costs(k).plan(plen) if s.sizing == "adaptive" else None
+        if plan is not None and gate is not None:
+            plan = dataclasses.replace(plan, calibration=gate.calibration.factor)
         tree = self.draft.build_tree(root, hid, dlog, plen - 1, k, depth, total, plan)
         stats.nodes += tree.size
         stats.levels += self.draft.levels
@@ -314,17 +352,21 @@ class EagleGenerator:
         stats.accepted.append(len(accepted) - 1)
         if gate is not None:
             gate.record(plan.gained(len(accepted) - 1, self.draft.levels, tree.size))
+            gate.calibration.record(len(accepted) - 1, self.draft.expected)
         stats.begin_round()
         stats.add_split("draft", t1 - t0)
         stats.add_split("verify", t2 - t1)
         stats.add_split("accept", time.perf_counter() - t2)
-        return accepted, tree.tokens[accepted[1:]].tolist() + [bonus], aux
+        new = tree.tokens[accepted[1:]].tolist() + [bonus]
+        rows = logits[torch.tensor(accepted, device=logits.device)] if s.logprobs is not None else None
+        return accepted, new, aux, self._logprobs(rows, new, s)
 
-    def _snapshot(self, out: list[int], stats: SpecStats, reason: str | None, t0: float) -> Generation:
+    def _snapshot(self, out: list[int], stats: SpecStats, reason: str | None, t0: float,
+                  lps: list | None = None) -> Generation:
         stats.new_tokens = len(out)
         stats.seconds = time.perf_counter() - t0
         # Text only for the final snapshot: per-round decoding would sit on the hot path.
         done = reason is not None and self.tokenizer is not None
         text = self.tokenizer.decode(out, skip_special_tokens=True) if done else ""
-        return Generation(list(out), text, stats, reason)
+        return Generation(list(out), text, stats, reason, None if lps is None else list(lps))
 

@@ -6,10 +6,13 @@ Errors: FastAPI's validation errors, its body-parsing errors and our own `Reques
 
 Every field a request may carry is honoured or refused, never dropped: a field this server does not know is
 refused as OpenAI's API refuses one ("Unrecognized request argument supplied"), and a known field whose
-value this server cannot honour (logprobs, penalties, n > 1 at temperature 0) is refused by `refusal`.
+value this server cannot honour (echo, penalties, n > 1 at temperature 0) is refused by `refusal`.
+
+Logprobs come from the target's raw distribution (infer/generate.py `token_logprobs`); the bodies here take
+them as entries (token text, logprob, [(alternative text, logprob)]), one per completion token.
 """
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,7 +39,7 @@ class Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's range
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=N_MAX)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # OpenAI's limit: 4
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -71,8 +74,8 @@ def refusal(req: Sampling) -> tuple[str, str] | None:
         return "n", "n > 1 is not supported with stream: true"
     if req.stream_options is not None and not req.stream:
         return "stream_options", "stream_options is only allowed when stream is true"
-    if req.logprobs or getattr(req, "top_logprobs", None):
-        return "logprobs", "logprobs are not supported by this server"
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        return "top_logprobs", "top_logprobs needs logprobs: true"
     if getattr(req, "echo", False):
         return "echo", "echo is not supported by this server"
     for name in ("presence_penalty", "frequency_penalty"):
@@ -82,6 +85,14 @@ def refusal(req: Sampling) -> tuple[str, str] | None:
             and req.max_tokens != req.max_completion_tokens:
         return "max_completion_tokens", "max_tokens and max_completion_tokens disagree: send one"
     return None
+
+
+def logprobs_k(req: Sampling) -> int | None:
+    """SpecSettings.logprobs of a request: None (none asked), else the alternatives per token. Chat:
+    `logprobs: true` with `top_logprobs` (0 when absent); completions: `logprobs` itself."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return getattr(req, "logprobs", None)
 
 
 class RequestError(Exception):
@@ -145,8 +156,11 @@ def make_api():
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from infer.serve_metrics import ResponseMetrics
+
     api = FastAPI(title="EagleRay")
     api.add_middleware(ApiKeyGate, api=api)
+    api.add_middleware(ResponseMetrics, api=api)  # added last, so outermost: it counts the gate's 401s too
 
     @api.exception_handler(RequestValidationError)
     async def _invalid(_request, exc: RequestValidationError):
@@ -166,6 +180,20 @@ def make_api():
     return api
 
 
+def visible_text(text: str, stops: list[str], final: bool) -> str:
+    """What the client is shown of a decode's text: cut before the first stop string (OpenAI leaves the
+    stop sequence out). While decoding goes on (final False) the longest tail that could begin a stop
+    string is held back, so a stream never sends text that a later token turns into a stop; what is shown
+    only grows (a stop starting inside the shown text would have been held back)."""
+    cuts = [i for i in (text.find(st) for st in stops if st) if i >= 0]
+    if cuts:
+        return text[:min(cuts)]
+    if final:
+        return text
+    hold = max((k for st in stops for k in range(1, len(st)) if text.endswith(st[:k])), default=0)
+    return text[:len(text) - hold]
+
+
 def finish_reason(decoder_reason: str | None) -> str | None:
     """Our decoder's reasons (eos, stop, length, None while running) -> OpenAI's (stop, length)."""
     if decoder_reason is None:
@@ -173,14 +201,56 @@ def finish_reason(decoder_reason: str | None) -> str | None:
     return "stop" if decoder_reason in ("eos", "stop") else "length"
 
 
-def response_body(rid: str, created: int, model: str, chat: bool, choices: list[tuple[str, str]],
+def _finite(logprob: float) -> float:
+    """-9999.0 for a token the target rules out (-inf is not JSON), as OpenAI's API writes it."""
+    return max(logprob, -9999.0)
+
+
+def _token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list) -> dict:
+    """A chat choice's (or chunk's) `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]},
+    content[i] for entries[i]; `bytes` are the UTF-8 bytes of the token's text."""
+    return {"content": [{**_token(t, lp), "top_logprobs": [_token(a, alp) for a, alp in top]}
+                        for t, lp, top in entries]}
+
+
+def _completion_top(text: str, logprob: float, top: list) -> dict:
+    """{text: logprob} of the k alternatives plus the token itself (OpenAI's "up to logprobs + 1")."""
+    out = {a: _finite(alp) for a, alp in top}
+    out.setdefault(text, _finite(logprob))
+    return out
+
+
+def completion_logprobs(entries: list, k: int, offset: int = 0) -> dict:
+    """A completions choice's (or chunk's) `logprobs`: tokens, token_logprobs, top_logprobs (null when k is
+    0) and text_offset[i]: offset (the text earlier chunks sent) plus the lengths of tokens[:i]."""
+    offsets, at = [], offset
+    for text, _, _ in entries:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [_finite(lp) for _, lp, _ in entries],
+            "top_logprobs": None if k == 0 else [_completion_top(*e) for e in entries], "text_offset": offsets}
+
+
+def logprobs_body(chat: bool, entries: list | None, k: int | None, offset: int = 0) -> dict | None:
+    """The `logprobs` of a choice or chunk in its API's shape; None when the request asked none."""
+    if k is None or entries is None:
+        return None
+    return chat_logprobs(entries) if chat else completion_logprobs(entries, k, offset)
+
+
+def response_body(rid: str, created: int, model: str, chat: bool, choices: list[tuple[str, str, dict | None]],
                   usage: dict) -> dict:
-    """choices: (text, finish_reason) per choice, in index order."""
-    def one(i, text, finish):
-        return ({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                if chat else {"index": i, "text": text, "finish_reason": finish, "logprobs": None})
+    """choices: (text, finish_reason, logprobs body or None) per choice, in index order."""
+    def one(i, text, finish, logprobs):
+        return ({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                 "finish_reason": finish}
+                if chat else {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [one(i, t, f) for i, (t, f) in enumerate(choices)], "usage": usage}
+            "model": model, "choices": [one(i, *c) for i, c in enumerate(choices)], "usage": usage}
 
 
 def summed_usage(usages: list[dict]) -> dict:
@@ -192,14 +262,16 @@ def summed_usage(usages: list[dict]) -> dict:
             "total_tokens": usages[0]["prompt_tokens"] + completion, "tau": round(tau, 4), "verify_rounds": rounds}
 
 
-def sse_chunk(rid: str, created: int, model: str, chat: bool, delta, finish: str | None, usage=None) -> str:
-    """One server-sent event: `delta` is {"role"/"content": ...} for chat, a text piece for completions."""
+def sse_chunk(rid: str, created: int, model: str, chat: bool, delta, finish: str | None, usage=None,
+              logprobs: dict | None = None) -> str:
+    """One server-sent event: `delta` is {"role"/"content": ...} for chat, a text piece for completions;
+    logprobs: `logprobs_body` of the tokens whose text this chunk adds."""
     if chat:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     else:
         body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": logprobs}]}
     if usage:
         body["usage"] = usage
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -29,21 +29,46 @@ def aggregate(records: list[dict], depth: int) -> dict:
             "tokens_per_s_vanilla": round(van_tps, 2), "tokens_per_s_spec": round(spec_tps, 2),
             "speedup": round(spec_tps / max(1e-9, van_tps), 4),
             "match_rate": round(sum(r["match"] for r in rs) / max(1, len(rs)), 4),
+            "drafting_share": round(sum(r.get("drafted", r["rounds"]) for r in rs)
+                                    / max(1, sum(r["rounds"] for r in rs)), 4),
         }
+        if all("fixed_tokens" in r for r in rs):
+            out[bench]["fixed"] = fixed_figures(rs, van_tps)
     return out
+
+
+def fixed_figures(rs: list[dict], van_tps: float) -> dict:
+    """The compared fixed tree on the same turns: pooled tau, tokens/s, speedup over the same vanilla runs."""
+    tps = sum(r["fixed_tokens"] for r in rs) / max(1e-9, sum(r["fixed_seconds"] for r in rs))
+    return {"tau": round(sum(r["fixed_tokens"] for r in rs) / max(1, sum(r["fixed_rounds"] for r in rs)), 4),
+            "tokens_per_s": round(tps, 2), "speedup": round(tps / max(1e-9, van_tps), 4),
+            "match_rate": round(sum(r["fixed_match"] for r in rs) / max(1, len(rs)), 4)}
 
 
 def write_markdown(path: Path, report: dict) -> None:
     s = report["settings"]
     lines = [f"# EAGLE-3 eval: {report['head']}", "",
-             f"Target `{report['target']}`; tree top_k={s['top_k']} depth={s['depth']} total_tokens={s['total_tokens']}, "
-             f"T={s['temperature']}, max_new_tokens={s['max_new_tokens']}.", "",
-             "| benchmark | prompts | tau | tau mean / median | speedup | tok/s vanilla | tok/s spec | greedy match |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"Target `{report['target']}`; tree top_k={s['top_k']} depth={s['depth']} "
+             f"total_tokens={s['total_tokens']} ({s['sizing']}), T={s['temperature']}, "
+             f"max_new_tokens={s['max_new_tokens']}. Speedups over the target alone on the same turns; "
+             "drafted = share of rounds that ran the draft.", "",
+             "| benchmark | prompts | tau | tau mean / median | speedup | drafted | tok/s vanilla | tok/s spec "
+             "| greedy match |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, b in report["benchmarks"].items():
         lines.append(f"| {name} | {b['prompts']} | {b['tau']:.2f} | {b['tau_mean']:.2f} / {b['tau_median']:.2f} | "
-                     f"{b['speedup']:.2f}x | {b['tokens_per_s_vanilla']:.1f} | {b['tokens_per_s_spec']:.1f} | "
-                     f"{b['match_rate']:.0%} |")
+                     f"{b['speedup']:.2f}x | {b['drafting_share']:.0%} | {b['tokens_per_s_vanilla']:.1f} | "
+                     f"{b['tokens_per_s_spec']:.1f} | {b['match_rate']:.0%} |")
+    if any("fixed" in b for b in report["benchmarks"].values()):
+        shape = f"{s['top_k']}/{s['depth']}/{s['total_tokens']}"
+        lines += ["", f"Adaptive beside the fixed tree ({shape} every round):", "",
+                  "| benchmark | adaptive speedup | drafted | fixed speedup | adaptive tau | fixed tau |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name, b in report["benchmarks"].items():
+            if "fixed" in b:
+                f = b["fixed"]
+                lines.append(f"| {name} | {b['speedup']:.2f}x | {b['drafting_share']:.0%} | {f['speedup']:.2f}x | "
+                             f"{b['tau']:.2f} | {f['tau']:.2f} |")
     lines += ["", "Acceptance by depth (share of rounds accepting at least d+1 draft tokens):", "",
               "| benchmark | " + " | ".join(f"d{d + 1}" for d in range(s["depth"])) + " |",
               "| --- |" + " --- |" * s["depth"]]
@@ -82,6 +107,21 @@ def write_plots(out_dir: Path, report: dict) -> list[str]:
 
     bar("tau.png", "tau", "tokens per verify", "Acceptance length (pooled tau)")
     bar("speedup.png", "speedup", "x vanilla", "Speedup vs vanilla decoding")
+    if all("fixed" in b[n] for n in names):
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [b[n]["speedup"] for n in names], 0.4, label="adaptive", color="#3b7dd8")
+        ax.bar([i + 0.2 for i in x], [b[n]["fixed"]["speedup"] for n in names], 0.4, label="fixed",
+               color="#9ab8e8")
+        ax.axhline(1.0, color="#888", lw=0.8)
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("x vanilla")
+        ax.set_title("Adaptive vs fixed tree")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "adaptive_vs_fixed.png", dpi=110)
+        plt.close(fig)
+        files.append("adaptive_vs_fixed.png")
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for n in names:
         ax.plot(range(1, len(b[n]["accept_by_depth"]) + 1), b[n]["accept_by_depth"], marker="o", label=n)

@@ -4,7 +4,7 @@
 A fixed tree shape is right for one machine and one target: where a verified node is dear (the demo
 target in bf16 on a CPU without AMX, ~19% of a 1-token step per node) a 16-node tree verifies mostly
 nodes that will be rejected, and where it is cheap a small tree leaves acceptance unused. With
-`sizing: cost` the shape's numbers are caps, and per round:
+`sizing: adaptive` the shape's numbers are caps, and per round:
 - *depth*: another draft level is grown only while the frontier's best node (cumulative draft
   probability pi from the root) reaches `grow_threshold` = (one level + one verified node) / a 1-token
   step, the share of a token that the extra level and its best node cost;
@@ -12,11 +12,15 @@ nodes that will be rejected, and where it is cheap a small tree leaves acceptanc
   per millisecond (1 + sum of their pi) / (base + m x node), base = the draft's cost so far + the verify's
   fixed part. Scores sorted descending keep the tree connected (a child never outranks its parent).
 Which nodes are verified never changes the output: acceptance still takes the target's own choices.
+Per request, `Calibration` scales every pi by how much of the draft the target has been accepting
+(accepted tokens over the sum of pi over verified nodes, decayed), so an overconfident head on an
+off-domain prompt grows shallower, narrower trees and a well-aligned one keeps its full shape.
 `DraftGate` goes one step further: when drafting rounds stop paying for themselves (a weak head, an
 off-domain prompt), the decoder takes plain 1-token steps and does not run the draft at all.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -53,13 +57,18 @@ class RoundCosts:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """One round's sizing: grow another level while the frontier's best pi >= grow_threshold; verify
-    cost_width(scores, base_ms + levels grown x level_ms, node_ms) drafted nodes."""
+    """One round's sizing: grow another level while the frontier's best calibration x pi >= grow_threshold;
+    verify `sized_width` drafted nodes."""
     grow_threshold: float
     base_ms: float
     level_ms: float
     node_ms: float
     step_ms: float
+    calibration: float = 1.0  # Calibration.factor: the request's accepted / drafted pi so far
+
+    def log_threshold(self) -> float:
+        """The bar a frontier's best log pi must reach for another level."""
+        return math.log(self.grow_threshold / self.calibration) if self.grow_threshold > 0 else -math.inf
 
     def round_ms(self, levels: int, nodes: int) -> float:
         """Predicted ms of a round that grew `levels` draft levels and verified `nodes` nodes (root
@@ -73,8 +82,31 @@ class RoundPlan:
 
 
 @dataclass
+class Calibration:
+    """Per request: the target's acceptance against the draft's own belief. Each drafting round records
+    its accepted draft tokens and `expected` = the sum of pi over the nodes it verified (what the draft
+    believed it would get accepted); factor = (decayed accepted + prior) / (decayed expected + prior) in
+    [floor, ceil]. The prior (one token's worth) keeps the first rounds near 1. Pure bookkeeping."""
+    decay: float = 0.8
+    prior: float = 1.0
+    floor: float = 0.05
+    ceil: float = 2.0
+    accepted: float = field(default=0.0, init=False)
+    expected: float = field(default=0.0, init=False)
+
+    def record(self, accepted: int, expected: float) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.expected = self.decay * self.expected + expected
+
+    @property
+    def factor(self) -> float:
+        raw = (self.accepted + self.prior) / (self.expected + self.prior)
+        return min(self.ceil, max(self.floor, raw))
+
+
+@dataclass
 class DraftGate:
-    """Whether the next `sizing: cost` round drafts (docs/ARCHITECTURE.md §8). Each drafting
+    """Whether the next `sizing: adaptive` round drafts (docs/ARCHITECTURE.md §8). Each drafting
     round reports `RoundPlan.gained`; while their moving average (weight `decay` on the past) is below 0,
     the decoder takes `backoff` plain steps (the draft idle, its inputs kept for one catch-up ingest), then
     probes with one drafting round, scored alone. A losing probe doubles the backoff (up to
@@ -82,6 +114,7 @@ class DraftGate:
     decay: float = 0.5
     min_backoff: int = 2
     max_backoff: int = 32
+    calibration: Calibration = field(default_factory=Calibration)  # the same request's pi scale
     score: float | None = field(default=None, init=False)
     backoff: int = field(default=0, init=False)  # starts at min_backoff
     plain_left: int = field(default=0, init=False)
@@ -116,6 +149,17 @@ def cost_width(sorted_scores: torch.Tensor, base_ms: float, node_ms: float, cap:
     gain = torch.cat([sorted_scores.new_zeros(1), sorted_scores[:m_max].float().exp().cumsum(0)]) + 1.0
     cost = base_ms + node_ms * torch.arange(m_max + 1, dtype=gain.dtype, device=gain.device)
     return int(torch.argmax(gain / cost))  # argmax returns the first maximum
+
+
+def sized_width(plan: RoundPlan, scores: torch.Tensor, levels: int, cap: int) -> tuple[int, float]:
+    """A grown round's verified count: scores = the candidates' cumulative draft log-probabilities (any
+    order), levels = levels grown, cap = total_tokens. -> (nodes verified, the root included; expected
+    accepted tokens = the sum of the kept candidates' raw pi, for `Calibration`). Widths come from the
+    calibrated pi."""
+    raw = torch.sort(scores, descending=True).values
+    base = plan.base_ms + (levels - 1) * plan.level_ms
+    m = cost_width(raw + math.log(plan.calibration), base, plan.node_ms, cap - 1)
+    return 1 + m, float(raw[:m].float().exp().sum())
 
 
 def median_ms(fn, reps: int, sync=lambda: None) -> float:

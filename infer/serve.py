@@ -1,6 +1,7 @@
 """python -m infer.serve CONFIG.yaml [key=value ...]  — OpenAI-compatible speculative decoding on Ray Serve.
 
-Routes: POST /v1/chat/completions (stream or not), POST /v1/completions, GET /v1/models, GET /health.
+Routes: POST /v1/chat/completions (stream or not), POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus text, infer/serve_metrics.py).
 Every request is validated before it reaches the model; errors are OpenAI-style JSON bodies naming the
 field. A replica decodes one request at a time (batch 1) between rounds of which it checks the client
 and the request deadline, so a disconnected stream frees the replica at the next round.
@@ -24,7 +25,9 @@ from ray import serve
 
 from infer.generate import SpecSettings, TreeShape
 from infer.openai_api import (SSE_DONE, ChatRequest, CompletionRequest, RequestError, Sampling, finish_reason,
-                              make_api, refusal, response_body, sse_chunk, summed_usage)
+                              logprobs_body, logprobs_k, make_api, refusal, response_body, sse_chunk, summed_usage,
+                              visible_text)
+from infer.serve_metrics import CONTENT_TYPE, ServeMetrics, scrape
 from pipeline.cluster import ensure_ray
 from pipeline.config import VllmEngine
 from pipeline import storage
@@ -81,7 +84,8 @@ class ServeConfig(StrictModel):
             raise ValueError("dtype applies to the eagleray backend; the vllm backend reads vllm.dtype")
         if self.backend == "vllm" and self.speculative.cpu_path != "auto":
             raise ValueError("speculative.cpu_path applies to the eagleray backend")
-        if self.backend == "vllm" and self.speculative.sizing != "fixed":
+        if self.backend == "vllm" and "sizing" in self.speculative.model_fields_set \
+                and self.speculative.sizing != "fixed":
             raise ValueError("speculative.sizing applies to the eagleray backend; vllm drafts a fixed chain "
                              "of speculative.depth tokens")
         return self
@@ -126,7 +130,7 @@ def _load_generator(cfg: ServeConfig):
                                       cpu_path=cfg.speculative.cpu_path)
     logging.getLogger("ray.serve").info(gen.path_line)  # the replica's log: which CPU path it runs, and why
     spec = cfg.speculative
-    if spec.sizing == "cost" and gen.draft is not None:  # measured here, not on the first request
+    if spec.sizing == "adaptive" and gen.draft is not None:  # measured here, not on the first request
         gen.round_costs(1 if spec.mode == "chain" else spec.top_k)
     return gen
 
@@ -142,6 +146,7 @@ class EagleServer:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
         api.state.api_key = cfg.api_key  # read by the app's middleware (infer/openai_api.py make_api)
+        api.state.metrics = self.metrics = ServeMetrics(cfg.model_name)  # and this by ResponseMetrics
         # All torch work of the replica runs on this one thread, loading included: CPU torch ops run
         # from a second thread after the first has used the OpenMP pool measured 2-3x slower here.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="eagleray-decode")
@@ -166,7 +171,7 @@ class EagleServer:
             raise RequestError(400, f"prompt ({prompt_len} tokens) + max_tokens ({n}) exceeds the context "
                                     f"length {self.context}", "messages" if isinstance(req, ChatRequest) else "prompt")
         return SpecSettings(**self.cfg.speculative.model_dump(), max_new_tokens=n, temperature=req.temperature,
-                            top_p=req.top_p, seed=req.seed, stop=req.stop_list())
+                            top_p=req.top_p, seed=req.seed, stop=req.stop_list(), logprobs=logprobs_k(req))
 
     async def _run(self, ids, settings, request: Request | None, on_round=None, cancel: asyncio.Event | None = None):
         """Decode round by round in the replica's torch thread; stop on disconnect, cancel or deadline.
@@ -192,6 +197,10 @@ class EagleServer:
                         return last, "timeout"
             finally:
                 it.close()
+                if last is not None:  # the decode's work counts whether it finished or was cut short
+                    began = deadline - self.cfg.request_timeout_s  # so the lock's wait counts too
+                    self.metrics.record_generation(last.stats, len(ids), len(last.tokens),
+                                                   time.monotonic() - began)
 
     def _usage(self, ids, g) -> dict:
         return {"prompt_tokens": len(ids), "completion_tokens": len(g.tokens),
@@ -200,6 +209,23 @@ class EagleServer:
 
     def _text(self, tokens) -> str:
         return self.gen.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _named(self, tokens, entries) -> list:
+        """Decoder logprob entries -> (token text, logprob, [(alternative text, logprob)]). A token's text is
+        `decode([id])`, what it adds to the text (special tokens '', as `_text` drops them):
+        convert_ids_to_tokens gives byte-level BPE's symbols ('Ġ' for a space), not text."""
+        piece = self._text
+        return [(piece([t]), lp, [(piece([a]), alp) for a, alp in top]) for t, (lp, top) in zip(tokens, entries)]
+
+    def _logprobs(self, chat: bool, k: int | None, g, mark: dict) -> dict | None:
+        """The logprobs body of g's tokens from mark["tokens"] on (a stream chunk's: the tokens whose text it
+        adds), their completions text_offset from mark["offset"]; advances mark past them."""
+        if k is None:
+            return None
+        entries = self._named(g.tokens[mark["tokens"]:], g.logprobs[mark["tokens"]:])
+        body = logprobs_body(chat, entries, k, mark["offset"])
+        mark["tokens"], mark["offset"] = len(g.tokens), mark["offset"] + sum(len(t) for t, _, _ in entries)
+        return body
 
     async def _respond(self, req: Sampling, ids: list[int], request: Request, chat: bool):
         settings = self._settings(req, len(ids))
@@ -213,7 +239,9 @@ class EagleServer:
             if why == "timeout":
                 raise RequestError(504, f"request exceeded request_timeout_s={self.cfg.request_timeout_s}", None,
                                    "timeout")
-            choices.append((self._text(g.tokens), finish_reason(g.finish_reason)))
+            text = visible_text(self._text(g.tokens), settings.stop, True)
+            choices.append((text, finish_reason(g.finish_reason),
+                            self._logprobs(chat, settings.logprobs, g, {"tokens": 0, "offset": 0})))
             usages.append(self._usage(ids, g))
         return response_body(*head, choices, summed_usage(usages))
 
@@ -224,7 +252,7 @@ class EagleServer:
         queue: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
         task = asyncio.create_task(self._run(ids, settings, request, queue.put, cancel))
-        sent = ""
+        sent, mark = "", {"tokens": 0, "offset": 0}  # mark: the tokens whose logprobs were sent
         try:
             if chat:
                 yield sse_chunk(*head, {"role": "assistant", "content": ""}, None)
@@ -235,17 +263,20 @@ class EagleServer:
                     getter.cancel()
                     if queue.empty():
                         g, _why = task.result()
-                        if g is not None:
-                            yield sse_chunk(*head, {"content": ""} if chat else "", "length", self._usage(ids, g))
+                        if g is not None:  # cut short: what was held back for a stop string goes out too
+                            rest = visible_text(self._text(g.tokens), settings.stop, True)[len(sent):]
+                            yield sse_chunk(*head, {"content": rest} if chat else rest, "length",
+                                            self._usage(ids, g), self._logprobs(chat, settings.logprobs, g, mark))
                         break
                     continue
                 snap = getter.result()
-                text = self._text(snap.tokens)
-                delta, sent = text[len(sent):], text
                 finish = finish_reason(snap.finish_reason)
+                text = visible_text(self._text(snap.tokens), settings.stop, finish is not None)
+                delta, sent = text[len(sent):], text
                 if delta or finish:
                     yield sse_chunk(*head, {"content": delta} if chat else delta, finish,
-                                    self._usage(ids, snap) if finish else None)
+                                    self._usage(ids, snap) if finish else None,
+                                    self._logprobs(chat, settings.logprobs, snap, mark))
                 if finish:
                     break
             yield SSE_DONE
@@ -271,6 +302,16 @@ class EagleServer:
     async def models(self):
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": 0,
                                             "owned_by": "eagleray"}]}
+
+    @api.get("/metrics")
+    async def prometheus(self):
+        """Our series (`ray_eagleray_*`) from Ray's metrics export on every alive node, so one scrape of the
+        endpoint sees every replica; behind the API key like every route but /health."""
+        from fastapi.responses import PlainTextResponse
+
+        # blocking HTTP, on the loop's default executor: not self.pool, where the decodes run
+        text = await asyncio.get_running_loop().run_in_executor(None, scrape)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @api.get("/health")
     async def health(self):

@@ -120,9 +120,9 @@ def test_serve_dtype_belongs_to_the_eagleray_backend(tmp_path):
     assert load_config(ServeConfig, yaml, ["dtype=bf16"]).dtype == "bf16"
     with pytest.raises(ConfigError, match=r"dtype applies to the eagleray backend.*vllm\.dtype"):
         load_config(ServeConfig, yaml, ["backend=vllm", "dtype=bf16"])
-    assert load_config(ServeConfig, yaml, ["speculative.sizing=cost"]).speculative.sizing == "cost"
+    assert load_config(ServeConfig, yaml, ["speculative.sizing=adaptive"]).speculative.sizing == "adaptive"
     with pytest.raises(ConfigError, match=r"speculative\.sizing applies to the eagleray backend"):
-        load_config(ServeConfig, yaml, ["backend=vllm", "speculative.sizing=cost"])
+        load_config(ServeConfig, yaml, ["backend=vllm", "speculative.sizing=adaptive"])
     with pytest.raises(ConfigError, match=r"speculative\.sizing"):
         load_config(ServeConfig, yaml, ["speculative.sizing=auto"])
 

@@ -106,7 +106,7 @@ def test_accepted_paths_are_the_same_on_both_paths(caplog):
     for cpu_path in ("auto", "generic"):
         gen, _ = generator(model, cpu_path, caplog)
         oracle_draft(gen, ref)
-        s = SpecSettings(mode="tree", depth=4, total_tokens=8, max_new_tokens=30)
+        s = SpecSettings(mode="tree", depth=4, total_tokens=8, max_new_tokens=30, sizing="fixed")
         out = gen.generate(ids.tolist(), s)
         runs[cpu_path] = out.tokens, out.stats.accepted
     assert runs["auto"][0] == runs["generic"][0] == ref[24:54]

@@ -32,12 +32,13 @@ def test_summary_names_every_output_and_each_benchmark(tmp_path):
     assert "A: def f(xs): return sum(xs)" in text and "fluent but often wrong" in text
     assert "13.2M-parameter model trained in minutes on generated chats (trained here)" in text
     assert "max_minutes" not in text and len(out) <= 24  # fits one screen
-    assert "far from the head's" not in text and "tau 2.50" in text
+    assert "tau 2.50" in text
     write(d / "target/report.json", {"params": 13181184, "steps_run": 48, "hit_time_cap": True})
     assert "max_minutes" in "\n".join(lines(d))
     write(d / "target/report.json", {"params": 952384, "steps_run": 400, "shipped_from": "data/demo_target"})
     assert "1.0M-parameter model trained in minutes on generated chats (shipped in data/demo_target/" in "\n".join(lines(d))
-    write(d / "report/report.json", {"benchmarks": {"gsm8k": {"tau": 1.85, "speedup": 0.75, "match_rate": 1.0}}})
-    slow = lines(d)
-    assert any("gsm8k     tau 1.85   speedup 0.75x" in ln for ln in slow) and len(slow) <= 24
-    assert "far from the head's generated training chats" in "\n".join(slow)
+    write(d / "report/report.json", {"benchmarks": {"gsm8k": {
+        "tau": 1.15, "speedup": 0.99, "match_rate": 1.0, "drafting_share": 0.31, "fixed": {"speedup": 0.82}}}})
+    both = lines(d)  # the adaptive default beside the fixed tree, and how often it drafted
+    assert any("gsm8k     tau 1.15   speedup 0.99x (fixed tree 0.82x), drafted 31% of rounds" in ln for ln in both)
+    assert len(both) <= 24

@@ -163,10 +163,10 @@ def test_stop_string_cuts_inside_a_round(tiny_target):
 
 @pytest.mark.slow
 def test_cost_sized_trees_are_lossless_and_sized(tiny_target, tiny_head, demo_corpus):
-    """`sizing: cost` with this machine's measured costs: token-identical to HF greedy, and the rounds
+    """`sizing: adaptive` with this machine's measured costs: token-identical to HF greedy, and the rounds
     really vary in size between the root alone and the caps."""
     gen = EagleGenerator.from_folders(tiny_target, tiny_head, dtype=torch.float64)
-    s = SpecSettings(mode="tree", top_k=4, depth=5, total_tokens=16, max_new_tokens=32, sizing="cost")
+    s = SpecSettings(mode="tree", top_k=4, depth=5, total_tokens=16, max_new_tokens=32, sizing="adaptive")
     nodes, rounds, accepted = 0, 0, 0
     for i, ids in enumerate(prompts(gen.tokenizer, demo_corpus, n=20)):
         got = gen.generate(ids, s)

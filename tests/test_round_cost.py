@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infer.checks.sampling import random_head
 from infer.generate import EagleGenerator, SpecSettings
-from infer.round_cost import DraftGate, RoundCosts, RoundPlan, cost_width, measure_round_costs, probe_tree
+from infer.round_cost import (Calibration, DraftGate, RoundCosts, RoundPlan, cost_width, measure_round_costs,
+                              probe_tree, sized_width)
 from pipeline.target import default_aux_layers
 from test_generate import hf_greedy, prompts
 from test_pipeline_capture import make_random_target
@@ -58,6 +59,91 @@ def test_round_plan_gain_counts_tokens_over_plain_steps():
     assert math.isclose(plan.gained(accepted=0, levels=1, nodes=1), 1 - 12 / 10)  # a root-only round loses
 
 
+def test_calibration_follows_acceptance_and_decays_back():
+    cal = Calibration(decay=0.5, prior=1.0)
+    assert cal.factor == 1.0
+    for _ in range(6):
+        cal.record(accepted=0, expected=2.0)  # an overconfident draft: nothing it believed in was accepted
+    assert cal.factor == pytest.approx(1 / (1 + 2 * (1 - 0.5 ** 6) / 0.5), rel=1e-6) and cal.factor < 0.3
+    for _ in range(8):
+        cal.record(accepted=3, expected=2.0)  # back in domain: more accepted than believed
+    assert 1.3 < cal.factor <= cal.ceil
+    cal.record(accepted=1000, expected=0.0)
+    assert cal.factor == cal.ceil
+
+
+def test_sized_width_uses_calibrated_pi_and_returns_raw_expectation():
+    plan = RoundPlan(grow_threshold=0.3, base_ms=3.0, level_ms=0.0, node_ms=1.0, step_ms=3.0)
+    scores = torch.tensor([0.05, 0.9, 0.3, 0.8]).log()  # any order
+    n, expected = sized_width(plan, scores, levels=1, cap=5)
+    assert n == 1 + cost_width(scores.sort(descending=True).values, 3.0, 1.0, 4) == 3
+    assert expected == pytest.approx(0.9 + 0.8)
+    low = RoundPlan(**{**plan.__dict__, "calibration": 0.1})  # pi 0.09 and 0.08: not worth a node
+    assert sized_width(low, scores, levels=1, cap=5) == (1, 0.0)
+    assert low.log_threshold() == pytest.approx(math.log(3.0)) and plan.log_threshold() == pytest.approx(math.log(0.3))
+
+
+def replay(hits: list[int], belief: float, costs: RoundCosts, depth: int, adaptive: bool):
+    """Replays an acceptance trace through the adaptive policy's real parts (RoundPlan, Calibration,
+    DraftGate, cost_width) on a chain: hits[i] = draft tokens the target would accept at the i-th position
+    the decoder drafts from; the draft believes each level with probability `belief` (pi = belief^d).
+    Predicted ms from `costs`; -> (tokens, ms, drafting rounds, rounds). adaptive=False: the fixed chain."""
+    gate, tokens, ms, drafted, rounds = DraftGate(), 0, 0.0, 0, 0
+    base = costs.plan(0)
+    while tokens < len(hits):
+        rounds += 1
+        if adaptive and not gate.drafts():
+            tokens, ms = tokens + 1, ms + base.step_ms
+            continue
+        plan = RoundPlan(**{**base.__dict__, "calibration": gate.calibration.factor if adaptive else 1.0})
+        levels = 1
+        while adaptive and levels < depth and math.log(belief) * levels >= plan.log_threshold():
+            levels += 1
+        scores = torch.log(torch.tensor([belief ** (d + 1) for d in range(levels if adaptive else depth)]))
+        nodes, expected = sized_width(plan, scores, levels, depth + 1) if adaptive else (depth + 1, 0.0)
+        accepted = min(hits[min(tokens, len(hits) - 1)], nodes - 1)
+        drafted += 1
+        tokens, ms = tokens + 1 + accepted, ms + plan.round_ms(levels if adaptive else depth, nodes)
+        if adaptive:
+            gate.record(plan.gained(accepted, levels, nodes))
+            gate.calibration.record(accepted, expected)
+    return tokens, ms, drafted, rounds
+
+
+# the demo target's shape of costs: a draft level ~20% of a target step, a verified node ~8%
+DEMO_COSTS = RoundCosts(step=10.0, step_per_key=0.0, node=0.8, node_per_key=0.0, level=2.0, ingest=1.5)
+
+
+def test_replayed_useless_draft_is_never_slower_than_the_target_alone():
+    """A confident draft the target never accepts: the fixed chain pays every round; the adaptive policy
+    backs off to plain steps, probing ever more rarely, and keeps >= 98% of the target's tokens per ms."""
+    tokens, ms, drafted, rounds = replay([0] * 400, belief=0.9, costs=DEMO_COSTS, depth=5, adaptive=True)
+    plain = tokens / (tokens * DEMO_COSTS.step)
+    assert tokens / ms >= 0.98 * plain and drafted / rounds < 0.05
+    f_tokens, f_ms, _, _ = replay([0] * 400, belief=0.9, costs=DEMO_COSTS, depth=5, adaptive=False)
+    assert f_tokens / f_ms < 0.7 * plain  # what a fixed chain costs on such a trace
+
+
+def test_replayed_trace_recovers_when_acceptance_returns():
+    """Off-domain then in-domain: the adaptive policy drafts again after its probes see acceptance, and over
+    the whole trace beats both the target alone and stays within 3% of the fixed chain on the good half."""
+    bad, good = [0] * 200, [4] * 600
+    tokens, ms, _, _ = replay(bad + good, belief=0.8, costs=DEMO_COSTS, depth=5, adaptive=True)
+    assert tokens / ms > 1.5 / DEMO_COSTS.step
+    g_tokens, g_ms, g_drafted, g_rounds = replay(good, belief=0.8, costs=DEMO_COSTS, depth=5, adaptive=True)
+    f_tokens, f_ms, _, _ = replay(good, belief=0.8, costs=DEMO_COSTS, depth=5, adaptive=False)
+    assert g_tokens / g_ms >= 0.97 * f_tokens / f_ms and g_drafted == g_rounds
+
+
+def test_replayed_weak_draft_is_trimmed_to_what_pays():
+    """A draft that believes 0.8 per level but gets one token accepted per round: calibration trims the
+    chain to its first level and drafting pays (>= 1.05x the target alone) where the fixed chain of 5 loses."""
+    tokens, ms, drafted, rounds = replay([1] * 600, belief=0.8, costs=DEMO_COSTS, depth=5, adaptive=True)
+    f_tokens, f_ms, _, _ = replay([1] * 600, belief=0.8, costs=DEMO_COSTS, depth=5, adaptive=False)
+    plain = 1 / DEMO_COSTS.step
+    assert tokens / ms >= 1.05 * plain > f_tokens / f_ms and drafted / rounds > 0.9
+
+
 @pytest.fixture(scope="module")
 def random_generator(tiny_target, tmp_path_factory):
     folder = make_random_target("llama", tiny_target, tmp_path_factory.mktemp("cost") / "llama")
@@ -82,18 +168,18 @@ def test_cost_sizing_regimes_on_random_head(random_generator, demo_corpus):
     gen = random_generator
     free = RoundCosts(step=1.0, step_per_key=0.0, node=0.0, node_per_key=0.0, level=0.0, ingest=0.0)
     dear = RoundCosts(step=1.0, step_per_key=0.0, node=50.0, node_per_key=0.0, level=50.0, ingest=1.0)
-    fixed = SpecSettings(top_k=3, depth=3, total_tokens=8, max_new_tokens=16)
+    fixed = SpecSettings(top_k=3, depth=3, total_tokens=8, max_new_tokens=16, sizing="fixed")
     for ids in prompts(gen.tokenizer, demo_corpus, n=4):
         want = hf_greedy(gen.target.model, ids, 16)
         base = gen.generate(ids, fixed)
         gen.costs = free
-        got = gen.generate(ids, fixed.model_copy(update={"sizing": "cost"}))
+        got = gen.generate(ids, fixed.model_copy(update={"sizing": "adaptive"}))
         assert got.tokens == want == base.tokens
         assert (got.stats.accepted, got.stats.nodes, got.stats.levels) == \
             (base.stats.accepted, base.stats.nodes, base.stats.levels)
         assert got.stats.nodes == 8 * got.stats.rounds and got.stats.levels == 3 * got.stats.rounds
         gen.costs = dear  # every drafting round loses: the DraftGate turns most rounds into plain steps
-        got = gen.generate(ids, fixed.model_copy(update={"sizing": "cost"}))
+        got = gen.generate(ids, fixed.model_copy(update={"sizing": "adaptive"}))
         assert got.tokens == want
         st = got.stats
         assert st.nodes == st.rounds == st.levels + st.plain_steps and sum(st.accepted) == 0
@@ -109,7 +195,7 @@ def test_plain_steps_keep_the_draft_cache_in_step(random_generator, demo_corpus)
     gen = random_generator
     gen.costs = RoundCosts(step=1.0, step_per_key=0.0, node=50.0, node_per_key=0.0, level=50.0, ingest=1.0)
     ids = prompts(gen.tokenizer, demo_corpus, n=1)[0]
-    got = gen.generate(ids, SpecSettings(top_k=3, depth=3, total_tokens=8, max_new_tokens=24, sizing="cost"))
+    got = gen.generate(ids, SpecSettings(top_k=3, depth=3, total_tokens=8, max_new_tokens=24, sizing="adaptive"))
     gen.costs = None
     assert got.stats.plain_steps >= 8
     n = gen.draft.cache.committed

@@ -26,7 +26,9 @@ def server(ray_cluster, tiny_target, tiny_head):
 
     cfg = ServeConfig(target=tiny_target, head=tiny_head, model_name=MODEL, port=_free_port(),
                       num_cpus_per_replica=0, threads_per_replica=1, max_tokens_limit=64, request_timeout_s=60,
-                      max_ongoing_requests=80, speculative={"sizing": "cost"},  # as configs/serve/*.yaml
+                      max_ongoing_requests=80,
+                      # fixed: tau below is then this head's, not this machine's load (adaptive: the SIGTERM test)
+                      speculative={"sizing": "fixed"},
                       api_key=KEY)
     url = start(cfg)
     yield url
@@ -98,7 +100,7 @@ def test_stream_ends_with_done(server):
     (json.dumps({"model": MODEL, "messages": MSGS, "n": 3, "temperature": 0}).encode(), 400, "n"),
     (json.dumps({"model": MODEL, "messages": MSGS, "n": 2, "stream": True}).encode(), 400, "n"),
     (json.dumps({"model": MODEL, "messages": MSGS, "n": 17}).encode(), 400, "n"),
-    (json.dumps({"model": MODEL, "messages": MSGS, "logprobs": True, "top_logprobs": 2}).encode(), 400, "logprobs"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "top_logprobs": 2}).encode(), 400, "top_logprobs"),
     (json.dumps({"model": MODEL, "messages": MSGS, "presence_penalty": 0.5}).encode(), 400, "presence_penalty"),
     (json.dumps({"model": MODEL, "messages": MSGS, "frobnicate": 1}).encode(), 400, "frobnicate"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x", "mood": 1}]}).encode(), 400,
@@ -146,6 +148,56 @@ def test_openai_client_raises_on_bad_request(server):
         client(server).chat.completions.create(model=MODEL, messages=[], max_tokens=4)
     with pytest.raises(openai.NotFoundError):
         client(server).chat.completions.create(model="nope", messages=MSGS, max_tokens=4)
+
+
+def target_logprobs(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """HF greedy's continuation of ids (n tokens at most) and log_softmax of one plain forward: row i
+    scores out[i]."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1: -1]
+    return out, torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_logprobs_are_the_targets(server, tiny_target):
+    """Chat (top_logprobs=2) and completions (logprobs=2) through the openai client: each token's entry is
+    the target's raw log-softmax (a plain HF forward here), its text joins into the message; the stream
+    carries the same entries."""
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()  # the server's on CPU
+    piece = lambda t: tok.decode([t], skip_special_tokens=True)
+    c = client(server)
+    ask = dict(model=MODEL, messages=MSGS, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2)
+    r = c.chat.completions.create(**ask)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    ids = tok.apply_chat_template(MSGS, add_generation_prompt=True, return_dict=True)["input_ids"]
+    out, ref = target_logprobs(model, ids, 24)
+    assert len(content) == len(out) == r.usage.completion_tokens
+    for i, (t, e) in enumerate(zip(out, content)):
+        assert e.token == piece(t) and e.bytes == list(e.token.encode()) and abs(e.logprob - ref[i, t]) < 1e-4
+        vals, top = torch.topk(ref[i], 2)
+        assert [a.token for a in e.top_logprobs] == [piece(a) for a in top.tolist()], i
+        assert all(abs(a.logprob - v) < 1e-4 for a, v in zip(e.top_logprobs, vals.tolist())), i
+    chunks = list(c.chat.completions.create(stream=True, **ask))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(s.logprob - e.logprob) < 1e-4 for s, e in zip(streamed, content))
+    assert [[a.token for a in s.top_logprobs] for s in streamed] == [[a.token for a in e.top_logprobs] for e in content]
+
+    prompt = "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    comp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    out, ref = target_logprobs(model, tok(prompt, add_special_tokens=False)["input_ids"], 16)
+    assert lp.tokens == [piece(t) for t in out] and "".join(lp.tokens) == comp.choices[0].text
+    assert all(abs(got - ref[i, t]) < 1e-4 for i, (t, got) in enumerate(zip(out, lp.token_logprobs)))
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(out))]
+    for i, (t, top) in enumerate(zip(out, lp.top_logprobs)):  # the 2 likeliest, and the token itself
+        vals, ids2 = torch.topk(ref[i], 2)
+        want = {piece(a): v for a, v in zip(ids2.tolist(), vals.tolist())}
+        want.setdefault(piece(t), float(ref[i, t]))
+        assert top.keys() == want.keys() and all(abs(top[k] - want[k]) < 1e-4 for k in want), i
 
 
 def test_64_concurrent_requests(server):

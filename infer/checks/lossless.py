@@ -32,8 +32,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--total-tokens", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--sizing", choices=["fixed", "cost"], default="fixed",
-                    help="cost: the shape as caps, each round sized by measured costs (infer/round_cost.py)")
+    ap.add_argument("--sizing", choices=["adaptive", "fixed"], default="adaptive",
+                    help="adaptive: the shape as caps, sized per round (infer/round_cost.py); fixed: the shape")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (target, head and HF generate)")
     ap.add_argument("--fused-verify", action="store_true",
                     help="below fp32: one masked SDPA call per layer instead of the exact verify attention")

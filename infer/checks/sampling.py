@@ -21,7 +21,7 @@ from infer.generate import EagleGenerator, SpecSettings, sampling_probs
 from trainer.head import Eagle3Head, head_config_from_target
 
 SETTINGS = SpecSettings(mode="tree", top_k=3, depth=2, total_tokens=6, max_new_tokens=3, temperature=0.8,
-                        top_p=0.9)
+                        top_p=0.9, sizing="fixed")  # the adaptive policy's shapes follow timings
 PROMPT = [5, 9, 17, 3]
 
 

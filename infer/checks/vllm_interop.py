@@ -109,7 +109,7 @@ def run_vllm(python: str, target: Path, heads: dict[str, Path | None], prompts: 
 
 
 def run_ours(gen: EagleGenerator, prompts: list[list[int]], k: int, max_new: int) -> dict:
-    s = SpecSettings(mode="chain", depth=k, max_new_tokens=max_new)
+    s = SpecSettings(mode="chain", depth=k, max_new_tokens=max_new, sizing="fixed")  # vLLM's chain is fixed
     tokens, accepted, t0 = [], [], time.perf_counter()
     for ids in prompts:
         g = gen.generate(ids, s)

@@ -4,9 +4,10 @@
         [--assistant runs/demo/assistant] [--prompts FILE.jsonl] [--n 40] [--max-new-tokens 96]
         [--top-k 4] [--depth 5] [--total-tokens 16] [--compare-head runs/demo/head_dflash/head_dflash]
 
-Methods: HF `generate` (greedy), our vanilla loop, EAGLE tree, the tree with `sizing: cost`
-(`eagle_tree_cost`: the shape's depth and total_tokens as caps, each round sized by this machine's measured
-costs, infer/round_cost.py), EAGLE chain (top_k 1, same depth), the same tree decoded on the HF forward instead of the lean one (`eagle_tree_hf_forward`; differs from
+Methods: HF `generate` (greedy), our vanilla loop, the EAGLE tree fixed, the same shape with the adaptive
+policy (`eagle_adaptive`: depth and total_tokens as caps, each round sized by this machine's measured costs
+and the request's acceptance, down to plain steps; infer/round_cost.py), the EAGLE chain fixed (top_k 1,
+same depth), the same tree decoded on the HF forward instead of the lean one (`eagle_tree_hf_forward`; differs from
 `eagle_tree` only for Llama-shaped targets, infer/cpu/lean.py), HF prompt-lookup decoding, HF
 assisted generation with a 2-layer assistant trained by infer/demo/target.py (built on first use when
 missing). Each prompt runs every method in turn, so drift on a shared machine hits all alike.
@@ -94,9 +95,9 @@ def build_methods(gen: EagleGenerator, args) -> dict:
     if "assisted" not in args.skip:
         assistant = AutoModelForCausalLM.from_pretrained(ensure_assistant(args.assistant, args.target)).eval()
     tree = SpecSettings(mode="tree", top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens,
-                        max_new_tokens=n_new)
-    chain = SpecSettings(mode="chain", depth=args.depth, max_new_tokens=n_new)
-    tree_cost = tree.model_copy(update={"sizing": "cost"})  # the shape as caps, sized per round
+                        max_new_tokens=n_new, sizing="fixed")
+    chain = SpecSettings(mode="chain", depth=args.depth, max_new_tokens=n_new, sizing="fixed")
+    adaptive = tree.model_copy(update={"sizing": "adaptive"})  # the shape as caps, sized per round
     vanilla = SpecSettings(mode="vanilla", max_new_tokens=n_new)
 
     def hf(ids, **kw):
@@ -109,7 +110,7 @@ def build_methods(gen: EagleGenerator, args) -> dict:
         return lambda ids: (lambda out: (out.tokens, out.stats))(g.generate(ids, s))
 
     methods = {"hf_generate": hf, "vanilla": ours(gen, vanilla), "eagle_tree": ours(gen, tree),
-               "eagle_tree_cost": ours(gen, tree_cost),
+               "eagle_adaptive": ours(gen, adaptive),
                "eagle_chain": ours(gen, chain), "eagle_tree_hf_forward": gen_hf and ours(gen_hf, tree),
                "eagle_tree_fused_verify": lambda ids: fused_verify(gen, ids, tree),
                "prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
@@ -184,7 +185,7 @@ def summarize(agg: dict, n_prompts: int, depth: int) -> dict:
         result[name] = entry
     if "vanilla" in result:
         t_step, van_tps = result["vanilla"]["round_split"]["verify"], result["vanilla"]["tokens_per_s"]
-        for name in ("eagle_tree", "eagle_tree_cost", "eagle_chain", "eagle_tree_hf_forward", "eagle_cmp_tree",
+        for name in ("eagle_tree", "eagle_adaptive", "eagle_chain", "eagle_tree_hf_forward", "eagle_cmp_tree",
                      "eagle_cmp_chain"):
             if name in result:
                 r = result[name]
@@ -209,6 +210,11 @@ def main(argv=None) -> dict:
               "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens},
               "head": str(args.head), "compare_head": str(args.compare_head) if args.compare_head else None}
     result.update(summarize(agg, len(texts), args.depth))
+    fixed = {k: result[k]["tokens_per_s"] for k in ("eagle_tree", "eagle_chain", "vanilla") if k in result}
+    if "eagle_adaptive" in result and fixed:  # the goal: adaptive at or above the best fixed policy
+        best = max(fixed, key=fixed.get)
+        ratio = result["eagle_adaptive"]["tokens_per_s"] / fixed[best]
+        result["adaptive_vs_best_fixed"] = {"best_fixed": best, "ratio": round(ratio, 3)}
     print(json.dumps(result))
     return result
 

@@ -56,7 +56,7 @@ def mixed_prompts(n: int) -> list[str]:
 
 def deployment(backend: str, target: Path, head: Path | None, port: int, k: int, threads: int,
                vllm_dtype: str = "auto", vllm_bind: str = "auto", vllm_eager: bool = True,
-               vllm_draft_up_to: int | None = None, sizing: str = "cost") -> ServeConfig:
+               vllm_draft_up_to: int | None = None, sizing: str = "adaptive") -> ServeConfig:
     name = f"{backend}-{'spec' if head else 'vanilla'}"
     common = dict(backend=backend, target=target, head=head, model_name=name, app_name=name, port=port,
                   max_ongoing_requests=64, max_tokens_limit=2048)
@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile its model (enforce_eager off)")
     ap.add_argument("--vllm-draft-up-to", type=int, default=None,
                     help="vllm.draft_up_to_batch: vLLM drafts nothing with more running sequences than this")
-    ap.add_argument("--eagleray-sizing", default="cost", choices=["cost", "fixed"],
+    ap.add_argument("--eagleray-sizing", default="adaptive", choices=["adaptive", "fixed"],
                     help="speculative.sizing of the eagleray backend (configs/serve/demo.yaml: cost)")
     args = ap.parse_args(argv)
     from ray import serve
