@@ -351,7 +351,8 @@ class EagleGenerator:
         stats.rounds += 1
         stats.accepted.append(len(accepted) - 1)
         if gate is not None:
-            gate.record(plan.gained(len(accepted) - 1, self.draft.levels, tree.size))
+            ms = (time.perf_counter() - t0) * 1e3, (t2 - t1) * 1e3  # the round so far, its verify
+            gate.record(plan.measured_gain(len(accepted) - 1, tree.size, *ms))
             gate.calibration.record(len(accepted) - 1, self.draft.expected)
         stats.begin_round()
         stats.add_split("draft", t1 - t0)

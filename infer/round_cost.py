@@ -80,6 +80,15 @@ class RoundPlan:
         tokens, less the round's ms in steps."""
         return 1 + accepted - self.round_ms(levels, nodes) / self.step_ms
 
+    def measured_gain(self, accepted: int, nodes: int, round_ms: float, verify_ms: float) -> float:
+        """`gained` from the round's measured ms (draft, verify, accept; the ingest still to come is the
+        plan's). The plain step it competes with is the plan's step scaled by measured / predicted verify:
+        a machine uniformly busier or idler than when the costs were measured moves both sides alike, and
+        the round's real overheads (Python, tree ops) count."""
+        scale = verify_ms / max(1e-6, self.step_ms + (nodes - 1) * self.node_ms)
+        step = max(1e-6, self.step_ms * scale)
+        return 1 + accepted - (round_ms + (self.base_ms - self.step_ms) * scale) / step
+
 
 @dataclass
 class Calibration:
