@@ -26,7 +26,7 @@ def server(ray_cluster, tiny_target, tiny_head):
 
     cfg = ServeConfig(target=tiny_target, head=tiny_head, model_name=MODEL, port=free_port(), api_key=KEY,
                       num_cpus_per_replica=0, threads_per_replica=1, max_tokens_limit=64,
-                      request_timeout_s=60, speculative={"sizing": "adaptive"})
+                      request_timeout_s=60, speculative={"sizing": "fixed"})
     url = start(cfg)
     yield url
     serve.shutdown()
