@@ -352,7 +352,9 @@ class EagleGenerator:
         stats.accepted.append(len(accepted) - 1)
         if gate is not None:
             ms = (time.perf_counter() - t0) * 1e3, (t2 - t1) * 1e3  # the round so far, its verify
-            gate.record(plan.measured_gain(len(accepted) - 1, tree.size, *ms))
+            # seeded: the predicted gain, so the shapes (and so the draws) follow the seed, not the clock
+            gate.record(plan.gained(len(accepted) - 1, self.draft.levels, tree.size) if s.seed is not None
+                        else plan.measured_gain(len(accepted) - 1, tree.size, *ms))
             gate.calibration.record(len(accepted) - 1, self.draft.expected)
         stats.begin_round()
         stats.add_split("draft", t1 - t0)

@@ -200,6 +200,20 @@ def test_cost_sizing_regimes_on_random_head(random_generator, demo_corpus):
     gen.costs = None
 
 
+def test_seeded_sampling_repeats_under_the_adaptive_policy(random_generator, demo_corpus):
+    """A seed fixes the adaptive policy's shapes (the gate's predicted gains, not the clock), so the same
+    seed draws the same tokens from one generator; another seed draws others."""
+    gen = random_generator
+    gen.costs = RoundCosts(step=1.0, step_per_key=0.0, node=0.05, node_per_key=0.0, level=0.3, ingest=0.1)
+    ids = prompts(gen.tokenizer, demo_corpus, n=1)[0]
+    s = SpecSettings(top_k=3, depth=3, total_tokens=8, max_new_tokens=24, temperature=1.0, seed=11)
+    runs = [gen.generate(ids, s) for _ in range(3)]
+    other = gen.generate(ids, s.model_copy(update={"seed": 12}))
+    gen.costs = None
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens != other.tokens
+    assert [r.stats.nodes for r in runs] == [runs[0].stats.nodes] * 3
+
+
 def test_plain_steps_keep_the_draft_cache_in_step(random_generator, demo_corpus):
     """After plain steps and catch-up ingests the draft's cache holds what one ingest of the whole committed
     sequence writes: every skipped position's element came back, with its own next token and position."""

@@ -62,10 +62,25 @@ def fused_verify(gen: EagleGenerator, ids: list[int], s: SpecSettings):
     return g.tokens, g.stats
 
 
+def load_generator(args) -> EagleGenerator:
+    """The target with args.head, or with a seeded untrained head over its vocabulary (`--head random`)."""
+    dtype = getattr(torch, args.dtype)
+    if str(args.head) != "random":
+        return EagleGenerator.from_folders(args.target, args.head, dtype=dtype)
+    from infer.checks.sampling import random_head
+    from pipeline.target import default_aux_layers, num_layers
+
+    plain = EagleGenerator.from_folders(args.target, None, dtype=dtype)
+    model = plain.target.model
+    return EagleGenerator(model, plain.tokenizer, random_head(model.config, dtype=dtype),
+                          default_aux_layers(num_layers(model.config)))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=Path("runs/demo/target"))
-    ap.add_argument("--head", type=Path, default=Path("runs/demo/head/head_speculators"))
+    ap.add_argument("--head", type=Path, default=Path("runs/demo/head/head_speculators"),
+                    help="a head folder, or `random`: an untrained seeded head (a draft that is never right)")
     ap.add_argument("--assistant", type=Path, default=Path("runs/demo/assistant"))
     ap.add_argument("--prompts", type=Path)
     ap.add_argument("--data", "--shared", dest="shared", type=Path)
@@ -198,7 +213,7 @@ def summarize(agg: dict, n_prompts: int, depth: int) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    gen = EagleGenerator.from_folders(args.target, args.head, dtype=getattr(torch, args.dtype))
+    gen = load_generator(args)
     counter = ForwardCounter(gen.target.model)
     methods = build_methods(gen, args)
     texts = (prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n))[: args.n]
