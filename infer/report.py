@@ -93,6 +93,12 @@ def write_plots(out_dir: Path, report: dict) -> list[str]:
     b = report["benchmarks"]
     files = []
 
+    def save(fig, fname):
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=110)
+        plt.close(fig)
+        files.append(fname)
+
     def bar(fname, key, ylabel, title):
         fig, ax = plt.subplots(figsize=(5, 3.2))
         ax.bar(names, [b[n][key] for n in names], color="#3b7dd8")
@@ -100,10 +106,7 @@ def write_plots(out_dir: Path, report: dict) -> list[str]:
         ax.set_title(title)
         for i, n in enumerate(names):
             ax.text(i, b[n][key], f"{b[n][key]:.2f}", ha="center", va="bottom", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / fname, dpi=110)
-        plt.close(fig)
-        files.append(fname)
+        save(fig, fname)
 
     bar("tau.png", "tau", "tokens per verify", "Acceptance length (pooled tau)")
     bar("speedup.png", "speedup", "x vanilla", "Speedup vs vanilla decoding")
@@ -118,10 +121,7 @@ def write_plots(out_dir: Path, report: dict) -> list[str]:
         ax.set_ylabel("x vanilla")
         ax.set_title("Adaptive vs fixed tree")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "adaptive_vs_fixed.png", dpi=110)
-        plt.close(fig)
-        files.append("adaptive_vs_fixed.png")
+        save(fig, "adaptive_vs_fixed.png")
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for n in names:
         ax.plot(range(1, len(b[n]["accept_by_depth"]) + 1), b[n]["accept_by_depth"], marker="o", label=n)
@@ -131,10 +131,7 @@ def write_plots(out_dir: Path, report: dict) -> list[str]:
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by depth")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "accept_by_depth.png", dpi=110)
-    plt.close(fig)
-    files.append("accept_by_depth.png")
+    save(fig, "accept_by_depth.png")
     if report.get("sweep"):
         rows = report["sweep"]
         labels = [f"{r['top_k']}/{r['depth']}/{r['total_tokens']}" for r in rows]
@@ -147,10 +144,7 @@ def write_plots(out_dir: Path, report: dict) -> list[str]:
         ax2.set_ylabel("speedup")
         ax.tick_params(axis="x", rotation=45)
         ax.set_title("Tree settings sweep")
-        fig.tight_layout()
-        fig.savefig(out_dir / "sweep.png", dpi=110)
-        plt.close(fig)
-        files.append("sweep.png")
+        save(fig, "sweep.png")
     return files
 
 
