@@ -139,8 +139,10 @@ def evaluate(cfg: EvalConfig) -> dict:
     storage.check("out_dir", cfg.out_dir, writable=True)
     print(f"eval: {ensure_ray(cfg.ray_address)}", flush=True)
     items = load_items(cfg)
-    worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor,
-                        resources=cfg.resources_per_actor)(EvalWorker)
+    # An actor lost with its node is restarted and its prompt decoded again (each prompt's record is
+    # written once, by the call that returns); its constructor's arguments are strings, passed inline.
+    worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor, resources=cfg.resources_per_actor,
+                        max_restarts=-1, max_task_retries=-1)(EvalWorker)
     head = cfg.head if storage.is_uri(cfg.head) else str(cfg.head.resolve())
     actors = [worker.remote(str(cfg.target.resolve()), head, cfg.threads_per_actor,
                             cfg.gpus_per_actor > 0, cfg.dtype, cfg.decode.cpu_path)

@@ -11,7 +11,7 @@ import json
 import time
 
 from pipeline import storage
-from pipeline.cluster import ensure_ray, quiet_ray_data
+from pipeline.cluster import ensure_ray, ray_data_settings
 from pipeline.yaml_config import config_arguments, errors_exit, load_or_exit
 from pipeline.config import Ingest, PipelineConfig
 
@@ -62,7 +62,7 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
     provenance = json.loads(cfg.model_dump_json())
     cfg = cfg.model_copy(update={"run_dir": mirror.local})
     print(f"pipeline: {ensure_ray(cfg.ray_address)}; run_dir={storage.redact(remote)}", flush=True)
-    quiet_ray_data()
+    ray_data_settings()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "pipeline_config.json").write_text(json.dumps(provenance, indent=2))
     mirror.push("pipeline_config.json")
@@ -97,7 +97,9 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
                                          storage.join(remote, "capture"), provenance=provenance)
         log("capture", summary["capture"], t0)
     if cfg.vocab.enabled:
-        summary["vocab"] = run_vocab(cfg.vocab, cfg.target, tokens, cfg.stage_dir("capture"))
+        # read at run_dir (pushed after tokenize), not its local mirror: the read tasks may run on any node
+        summary["vocab"] = run_vocab(cfg.vocab, cfg.target, storage.join(remote, "tokenize", "tokens.parquet"),
+                                     cfg.stage_dir("capture"))
         mirror.push("capture")  # the vocab's files (the shards are at the URI already)
         log("vocab", summary["vocab"], t0)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))

@@ -18,7 +18,7 @@ import torch
 
 from pipeline import storage
 from pipeline.buckets import length_buckets
-from pipeline.cluster import check_actor_cpus, map_with_actors, retry_lost
+from pipeline.cluster import check_actor_cpus
 from pipeline.codec import StorageOverflow, bytes_per_token, to_bytes
 from pipeline.progress import progress_bar
 from pipeline.hidden import capture_hidden, check_logit_rule, to_host
@@ -154,19 +154,13 @@ def run_capture(cfg: Capture, target: Path, tokens_path, out_dir, provenance: di
     ranges = shard_ranges(tokens.num_rows, cfg.rows_per_shard)
     todo, done = pending_shards(out_dir, tokens, ranges, signature)
     t0 = time.perf_counter()
-    results = []
-
-    def capture_pending():  # each attempt redoes only the shards not yet written (pending_shards)
-        pending, _ = pending_shards(out_dir, tokens, ranges, signature)
-        if pending:
-            results.extend(capture_dataset(cfg, target, tokens_path, pending, signature, out_dir, "write",
-                                           restart_actors=False).take_all())
+    results = []  # a lost actor is restarted by Ray and its shard retried in place (docs/ARCHITECTURE.md §12)
 
     if todo:
         names = {shard_name(i) for i, _, _ in ranges}
         written = lambda: len(names.intersection(storage.list_names(out_dir, "shard-*.parquet")))  # noqa: E731
         with progress_bar("capture", len(ranges), written, unit="shard"):
-            retry_lost("capture", capture_pending, cfg.max_attempts)
+            results = capture_dataset(cfg, target, tokens_path, todo, signature, out_dir, "write").take_all()
     wall = time.perf_counter() - t0
     manifest = write_manifest(out_dir, ranges, signature, target, provenance)
     fwd = sum(r["forward_s"] for r in results)
@@ -196,14 +190,12 @@ def write_manifest(out_dir, ranges, signature: dict, target: Path, provenance: d
 
 
 def capture_dataset(cfg: Capture, target: Path, tokens_path, ranges, signature: dict,
-                    out_dir=None, mode: str = "stream", restart_actors: bool = True):
+                    out_dir=None, mode: str = "stream"):
     """A Ray Data dataset over shard `ranges` from a pool of capture actors (`CaptureWorker` modes):
     "stream" yields the rows with hidden states (SHARD_SCHEMA) in `ranges` order and writes nothing,
     "write_rows" also writes each shard to out_dir, "write" writes and yields counts only.
-    `restart_actors`: Ray Data restarts a killed actor and retries its shard in place, which a streamed
-    epoch needs (tests/test_stream.py); a writing run that can resume from its shards turns it off and
-    retries the missing shards itself (`run_capture`), which keeps Ray's false-alarm error line per
-    restartable actor off the console (pipeline.cluster.map_with_actors)."""
+    Ray Data restarts an actor lost with its node and retries its shard on it (a rewritten shard has the
+    same bytes)."""
     check_actor_cpus("capture.num_cpus_per_actor", min(cfg.num_actors, len(ranges)), cfg.num_cpus_per_actor)
     items = [{"index": i, "start": s, "end": e} for i, s, e in ranges]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
@@ -214,6 +206,4 @@ def capture_dataset(cfg: Capture, target: Path, tokens_path, ranges, signature: 
                   fn_constructor_kwargs=dict(target=str(target), cfg=cfg, tokens_path=str(tokens_path),
                                              out_dir=str(out_dir) if out_dir else None, signature=signature,
                                              mode=mode))
-    if restart_actors:
-        return ds.map_batches(CaptureWorker, **kwargs)
-    return map_with_actors(ds, CaptureWorker, **kwargs)
+    return ds.map_batches(CaptureWorker, **kwargs)

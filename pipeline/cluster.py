@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 # Stay on 127.0.0.1 and let Ray's own clients in; Ray Train's controller polls its workers every 0.25 s,
 # not 2 s, so a run ends when its workers do (docs/ARCHITECTURE.md §13). Set before Ray starts: its
@@ -54,6 +53,53 @@ def verbose() -> bool:
     return os.environ.get("EAGLERAY_VERBOSE", "") not in ("", "0")
 
 
+# Ray's core logs this at the start of every restartable actor that Ray Data creates, since Ray Data passes
+# an actor its arguments through the object store (ray-project/ray#57733): a false alarm, the driver holds
+# those references. Our actor pools keep Ray's restarts (docs/ARCHITECTURE.md §12), so the line is dropped.
+RAY_FALSE_ALARMS = (b"has constructor arguments in the object store and max_restarts > 0",)
+_FILTERING = False
+
+
+def drop_false_alarms(alarms=RAY_FALSE_ALARMS) -> None:
+    """A line filter on this process's stderr (fd 2), once per process: Ray's core writes its log lines there
+    from C++, past Python's logging. Lines matching `alarms` are dropped, everything else passes at once
+    (a partial line too, unless it may be the start of a core log line, `[`); at exit fd 2 is given back."""
+    global _FILTERING
+    if _FILTERING:
+        return
+    import atexit
+    import sys
+    import threading
+
+    _FILTERING = True
+    sys.stderr.flush()
+    real, (read_end, write_end) = os.dup(2), os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def pump() -> None:
+        held = b""
+        while chunk := os.read(read_end, 65536):
+            *lines, held = (held + chunk).split(b"\n")
+            out = b"".join(x + b"\n" for x in lines if not any(a in x for a in alarms))
+            if held and not held.startswith(b"["):
+                out, held = out + held, b""
+            if out:
+                os.write(real, out)
+        if held:
+            os.write(real, held)
+
+    thread = threading.Thread(target=pump, name="eagleray-stderr-filter", daemon=True)
+    thread.start()
+
+    def give_back() -> None:
+        sys.stderr.flush()
+        os.dup2(real, 2)  # the pipe's last write end closes: the pump reads to its end and stops
+        thread.join(timeout=5)
+
+    atexit.register(give_back)  # registered before Ray's own exit hooks, so it runs after them
+
+
 _STARTED_LOCAL = False
 
 
@@ -83,25 +129,28 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if ray.is_initialized():
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
+    drop_false_alarms()
     global _STARTED_LOCAL
     if address:
-        ray.init(address=address, log_to_driver=verbose())
+        context = ray.init(address=address, log_to_driver=verbose())
         how = f"joined {address}"
     else:
         # The dashboard serves the state API that Ray Train's controller polls; without it, it logs every second.
-        ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                 _node_ip_address="127.0.0.1", log_to_driver=verbose(), logging_level="WARNING")
+        context = ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                           _node_ip_address="127.0.0.1", log_to_driver=verbose(), logging_level="WARNING")
         how, _STARTED_LOCAL = "started a local Ray", True
     _no_colour_reset_at_exit()
-    try:
-        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
-    except AttributeError:  # joined through a client: the logs live on the cluster
-        logs = None
+    logs = getattr(context, "address_info", {}).get("session_dir")  # absent when joined through a client
+    logs = logs and os.path.join(logs, "logs")
     return how + (f" (worker logs: {logs}; --verbose shows them here)" if logs and not verbose() else "")
 
 
-def quiet_ray_data() -> None:
-    """Deterministic block order and no per-operator progress or memory-advice spam in logs."""
+def ray_data_settings() -> None:
+    """Ray Data as every stage's driver runs it: deterministic block order, no per-operator progress or
+    memory-advice spam in logs, and Parquet read through Ray Data's V1 datasource. V2's file listing
+    (Ray 2.60) reads footers in actors it creates without restarts, so a node lost while a read lists its
+    files fails the whole dataset (a vocab step's `ListFiles` failed so, docs/ARCHITECTURE.md §12); V1's
+    listing and reads are tasks, which Ray retries on another node."""
     import logging
 
     import ray
@@ -112,80 +161,11 @@ def quiet_ray_data() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
+    ctx.use_datasource_v2 = False
     # Its high-memory detector repeats a 12-line advice every 30 s for each actor stage that holds more than
     # it requested (a vLLM regenerator: ~4 GiB): our stages size their memory by config
     # (regenerate.vllm.kv_cache_gb, capture.batch_tokens), so the advice is noise in the stage's output.
     ctx.issue_detectors_config.high_memory_detector_config.detection_time_interval_s = -1
-
-
-def map_with_actors(ds, cls, **kwargs):
-    """`ds.map_batches(cls, ...)` on an actor pool whose actors Ray does not restart (regeneration's and a
-    pipeline capture's). Restartable actors make Ray's core log an error line at every actor's start,
-    because Ray Data passes them their arguments through the object store (ray-project/ray#57733: a false
-    alarm, the driver holds those references). Those stages write finished parts and resume from them, so
-    `retry_lost` reruns what a lost actor left undone instead. A streamed epoch (trainer/sources.py) has no
-    files to resume from and keeps Ray Data's restarts. This Ray takes `max_restarts` only through the
-    deprecated `**ray_remote_args`, so that deprecation warning is dropped for this one call."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-        return ds.map_batches(cls, max_restarts=0, **kwargs)
-
-
-def lost_worker(exc: BaseException) -> BaseException | None:
-    """The exception in `exc`'s chain (itself or one it was raised from) that says a process or node died,
-    not that our code failed; None when there is none."""
-    from ray import exceptions as rx
-
-    lost = (rx.RayActorError, rx.NodeDiedError, rx.WorkerCrashedError, rx.ObjectLostError, rx.LocalRayletDiedError)
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, lost):
-            # an __init__ that raised is our code's error
-            return None if getattr(exc, "actor_init_failed", False) else exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def await_verdict(loss: BaseException, timeout_s: float = 90.0) -> float:
-    """Wait until Ray's GCS holds the lost actor dead; -> seconds waited. A node whose raylet died unseen
-    (`kill -9`, a lost host) stays alive in the GCS until its health checks time out (~15-30 s at Ray's
-    defaults), and until then the next attempt's new actors may be placed on it and lost as well (seen
-    in tests/test_cluster.py: capture's attempt 2 lost so). A loss with no actor, or a GCS
-    that cannot be asked, waits nothing."""
-    actor = getattr(loss, "actor_id", None)
-    if not actor:
-        return 0.0
-    from ray._private import state  # the GCS's actor table; Ray's public state API needs the dashboard
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            if state.actors(actor_id=actor).get("State") in ("DEAD", None):
-                break
-        except Exception:  # noqa: BLE001 - no verdict to wait for; the retry goes ahead as before
-            break
-        time.sleep(1.0)
-    return time.monotonic() - t0
-
-
-def retry_lost(stage: str, run, attempts: int = 3):
-    """`run()`, again after a lost actor or node (`lost_worker`), at most `attempts` times in all. `run`
-    must redo only what is not yet written (capture's shards, regeneration's chunks), so a retry costs the
-    lost work only. Each retry starts once the GCS holds the lost actor dead (`await_verdict`). Any other
-    error, and the last loss, propagate."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return run()
-        except Exception as exc:  # noqa: BLE001 - filtered by lost_worker, re-raised otherwise
-            loss = lost_worker(exc) if attempt < attempts else None
-            if loss is None:
-                raise
-            waited = await_verdict(loss)
-            print(f"[{stage}] a worker was lost ({type(loss).__name__}); attempt {attempt + 1} of {attempts} "
-                  f"redoes the unfinished parts (after {waited:.0f} s for Ray to declare it dead)", flush=True)
 
 
 def check_actor_cpus(key: str, num_actors: int, cpus_per_actor: float) -> None:

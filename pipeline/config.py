@@ -92,7 +92,6 @@ class Regenerate(StrictModel):
         {}, description="custom Ray resources an actor needs, e.g. {eagleray_worker: 0.5}")
     on_error: Literal["keep_original", "drop"] = Field(
         "keep_original", description="a record that fails: keep its answer or drop it")
-    max_attempts: int = Field(3, ge=1, description="tries; the next redoes a lost actor's chunks")
 
 
 class ChatTemplate(StrictModel):
@@ -129,8 +128,6 @@ class Capture(StrictModel):
     compression_level: int = Field(3, ge=1, le=22, description="zstd level of the shards")
     threads_per_actor: int | None = Field(None, description="torch threads of an actor; null: its Ray CPUs")
     resources_per_actor: dict[str, float] = Field({}, description="custom Ray resources, as regenerate's")
-    max_attempts: int = Field(
-        3, ge=1, description="tries; the next redoes the shards a lost actor left")
 
 
 class Vocab(StrictModel):

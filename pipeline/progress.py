@@ -1,6 +1,6 @@
 """One progress bar per long stage, fed by polling what the stage writes (part files, shards, progress.json).
 
-Ray Data's own bars are off (pipeline/cluster.py `quiet_ray_data`); the work happens in actors, so the driver
+Ray Data's own bars are off (pipeline/cluster.py `ray_data_settings`); the work happens in actors, so the driver
 watches the files they finish. A bar redraws only when its count moves, so logs stay short off a terminal.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from pipeline.cluster import check_actor_cpus, map_with_actors, retry_lost
+from pipeline.cluster import check_actor_cpus
 from pipeline.progress import progress_bar
 from pipeline.config import ChatTemplate, Regenerate
 from pipeline.target import TargetSpec, weights_id
@@ -237,7 +237,7 @@ def part_done(out_dir: Path, index: int, fingerprint: str) -> bool:
 def _fingerprint(cfg: Regenerate, chat: ChatTemplate, target: Path, records: Path) -> str:
     # What decides the answers; pool sizes and threads do not (beyond float reduction order).
     h = hashlib.sha256(cfg.model_dump_json(exclude={"num_actors", "num_cpus_per_actor", "batch_size",
-                                                    "threads_per_actor", "max_attempts"}).encode())
+                                                    "threads_per_actor"}).encode())
     if chat.kwargs():
         h.update(chat.model_dump_json().encode())
     h.update(str(Path(target).resolve()).encode())
@@ -262,21 +262,18 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
     todo = [r for r in ranges if not part_done(out_dir, r[0], fp)]
     parts = {"records": str(records), "out_dir": str(out_dir), "fingerprint": fp}
 
-    def regenerate_pending():  # each attempt redoes only the chunks not yet written
-        pending = [{"index": i, "start": s, "end": e} for i, s, e in ranges if not part_done(out_dir, i, fp)]
-        if pending:
-            map_with_actors(ray.data.from_items(pending, override_num_blocks=len(pending)),
+    if todo:
+        # Ray Data restarts an actor lost with its node and retries its chunk (docs/ARCHITECTURE.md §12)
+        check_actor_cpus("regenerate.num_cpus_per_actor", min(cfg.num_actors, len(todo)), cfg.num_cpus_per_actor)
+        done = lambda: sum(part_done(out_dir, i, fp) for i, _, _ in ranges)  # noqa: E731
+        pending = [{"index": i, "start": s, "end": e} for i, s, e in todo]
+        with progress_bar("regenerate", len(ranges), done, unit="chunk"):
+            ray.data.from_items(pending, override_num_blocks=len(pending)).map_batches(
                 ENGINES[cfg.engine], batch_size=1, batch_format="numpy",
                 compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(pending))),
                 num_cpus=cfg.num_cpus_per_actor, num_gpus=cfg.num_gpus_per_actor,
                 resources=cfg.resources_per_actor or None,
                 fn_constructor_kwargs={"target": str(target), "cfg": cfg, "chat": chat, "parts": parts}).materialize()
-
-    if todo:
-        check_actor_cpus("regenerate.num_cpus_per_actor", min(cfg.num_actors, len(todo)), cfg.num_cpus_per_actor)
-        done = lambda: sum(part_done(out_dir, i, fp) for i, _, _ in ranges)  # noqa: E731
-        with progress_bar("regenerate", len(ranges), done, unit="chunk"):
-            retry_lost("regenerate", regenerate_pending, cfg.max_attempts)
     sources = {}
     with open(records, encoding="utf-8") as f:
         for line in f:

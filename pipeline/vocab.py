@@ -9,6 +9,7 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline import storage
 from pipeline.config import Vocab
 from pipeline.target import TargetSpec
 
@@ -44,13 +45,15 @@ def _count_batch(batch: dict, vocab: int) -> dict:
     return {"counts": [counts]}
 
 
-def masked_token_counts(tokens_path: Path, vocab: int) -> np.ndarray:
-    ds = ray.data.read_parquet(str(tokens_path)).select_columns(["input_ids", "loss_mask"])
+def masked_token_counts(tokens_path, vocab: int) -> np.ndarray:
+    """`tokens_path` a path or URI: Ray Data's read tasks, on any node, read it there."""
+    fs, path = storage.filesystem(tokens_path)
+    ds = ray.data.read_parquet(path, filesystem=fs).select_columns(["input_ids", "loss_mask"])
     parts = ds.map_batches(_count_batch, batch_format="numpy", fn_kwargs={"vocab": vocab}).take_all()
     return np.sum([np.asarray(p["counts"]) for p in parts], axis=0) if parts else np.zeros(vocab, np.int64)
 
 
-def run_vocab(cfg: Vocab, target: Path, tokens_path: Path, out_dir: Path) -> dict:
+def run_vocab(cfg: Vocab, target: Path, tokens_path, out_dir: Path) -> dict:
     """The draft vocabulary: the `cfg.draft_vocab_size` most frequent loss-masked tokens."""
     vocab_size = TargetSpec.read(target).vocab_size
     counts = masked_token_counts(tokens_path, vocab_size)

@@ -1,12 +1,14 @@
 """A real three-node Ray cluster on this machine (infer/cluster/local.py) sharing a real S3 server (moto's,
 `S3Server`): the pipeline by `ray job submit` with its corpus, run_dir and shards on S3, then again with a
-worker node's raylet killed (`kill -9`) mid-capture: the job succeeds and its manifest lists the same rows,
-tokens and per-shard row digests as the undisturbed run, each shard object once."""
+worker node's raylet killed (`kill -9`) mid-capture and again when the vocabulary step starts: the job
+SUCCEEDED, its manifest lists the same rows, tokens and per-shard row digests as the undisturbed run, each
+shard object once, and the draft vocabulary has the same bytes."""
 import json
 
 import pytest
 
-from infer.cluster.check import BUCKET, capture_fault, pipeline_tree, run_job, shard_digests, write_yaml
+from infer.cluster.check import pipeline_fault, stage_outputs
+from infer.cluster.jobs import BUCKET, pipeline_tree, run_job, shard_digests, write_yaml
 from infer.cluster.local import LocalCluster, S3Server
 from pipeline import storage
 
@@ -27,12 +29,16 @@ def test_three_nodes_capture_to_s3_survives_a_killed_node(tmp_path, tiny_target,
             job_story(tmp_path / "pipeline.log")
         base = shard_digests(f"{BUCKET}/base/capture")
         assert base["rows"] == records and len(base["rows_digests"]) == base["files"] == records // 4
-        fault = capture_fault(cl, tmp_path, corpus, tiny_target, records, base, regenerate=False)
+        faults = pipeline_fault(cl, tmp_path, corpus, tiny_target, records, stage_outputs(f"{BUCKET}/base"),
+                                ("capture", "vocab"), regenerate=False)
         log = job_story(tmp_path / "pipeline_fault.log")
-        assert fault["killed"] and fault["job"] == "SUCCEEDED", (fault, log)
-        assert 3 <= fault["at_kill"] < records // 4, fault  # the node died mid-capture
-        assert fault["rows_found"] == records and fault["duplicates"] == 0, fault
-        assert fault["shard_files"] == records // 4 and fault["digests_equal"] and fault["tokens_equal"], fault
+        cap, vocab = faults["capture"], faults["vocab"]
+        assert cap["killed"] and vocab["killed"] and cap["job"] == "SUCCEEDED", (faults, log)
+        assert 3 <= cap["at_kill"] < records // 4, faults  # the node died mid-capture
+        assert cap["rows_found"] == records and cap["duplicates"] == 0 and cap["digests_equal"], faults
+        assert vocab["rows_found"] == vocab["rows_expected"] == 256 and vocab["digests_equal"], faults
+        found = shard_digests(f"{BUCKET}/pipeline_fault/capture")
+        assert found["files"] == records // 4 and found["bytes"] == base["bytes"], found["files"]
         # the manifest was written once, after every shard: it names each shard object exactly once
         man = json.loads(storage.read_text(f"{BUCKET}/pipeline_fault/capture/manifest.json"))
         assert sorted(s["file"] for s in man["shards"]) == sorted(base["rows_digests"])

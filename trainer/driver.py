@@ -98,7 +98,7 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
 def run_training(cfg: TrainConfig) -> dict:
     import ray
 
-    from pipeline.cluster import ensure_ray, quiet_ray_data
+    from pipeline.cluster import ensure_ray, ray_data_settings
 
     cfg = absolute_paths(cfg)
     storage.check("out_dir", cfg.out_dir, writable=True)  # before any work: one line naming the key
@@ -108,7 +108,7 @@ def run_training(cfg: TrainConfig) -> dict:
     files.local.mkdir(parents=True, exist_ok=True)
     files.forget("progress.json")
     where = ensure_ray(cfg.ray_address)
-    quiet_ray_data()
+    ray_data_settings()
     data = training_data(cfg)
     spec = TargetSpec.read(cfg.target)
     check_manifest(data.signature, spec)

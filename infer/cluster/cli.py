@@ -2,7 +2,8 @@
 
     eagleray cluster up                     # head + 2 workers; prints the addresses; stays up (state file)
     eagleray cluster down                   # stops what `up` started, by pid
-    eagleray cluster check                  # up, every stage by `ray job submit`, faults, down; JSON last
+    eagleray cluster check                  # up, every stage by `ray job submit`, a node lost in each; JSON last
+    eagleray cluster check --fault-stages capture,vocab --head-kill   # only those faults; and a lost head
     eagleray cluster check --throughput     # and tokens/s on one worker node against two
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from infer.cluster.check import run_check
+from infer.cluster.check import FAULT_STAGES, run_check
 from infer.cluster.local import ROOT, LocalCluster, stop_processes
 
 STATE = ROOT / "runs" / "cluster" / "cluster.json"
@@ -43,9 +44,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "cluster" / "check")
     ap.add_argument("--throughput", action="store_true",
                     help="check: also capture and training tokens/s on one worker node against two (~10 min)")
+    ap.add_argument("--fault-stages", default=",".join(FAULT_STAGES),
+                    help="check: the stages to kill a worker node in, one kill each (comma-separated; '' for none)")
+    ap.add_argument("--head-kill", action="store_true",
+                    help="check: also kill the head mid-capture, start the cluster again and resubmit (~3 min)")
     args = ap.parse_args(argv)
+    unknown = set(filter(None, args.fault_stages.split(","))) - set(FAULT_STAGES)
+    if unknown:
+        ap.error(f"--fault-stages: unknown {sorted(unknown)}; choose from {','.join(FAULT_STAGES)}")
     result = {"up": up, "down": down, "check": run_check}[args.action](args)
     print(json.dumps(result))
+    if args.action == "check" and not result["ok"]:
+        raise SystemExit("cluster check: a job did not succeed or a stage's output differs (result.json)")
     return result
 
 

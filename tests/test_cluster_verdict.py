@@ -1,0 +1,47 @@
+"""`eagleray cluster check` fails unless every job SUCCEEDED and every killed stage's output equals the
+undisturbed run's (infer/cluster/check.py `verdict`); the CLI names an unknown fault stage."""
+import copy
+
+import pytest
+
+from infer.cluster.check import FAULT_STAGES, verdict
+from infer.cluster.cli import main
+
+ROWS = {"rows_expected": 64, "rows_found": 64, "duplicates": 0, "digests_equal": True}
+GOOD = {"jobs": {"pipeline": "SUCCEEDED", "trainer": "SUCCEEDED", "eval": "SUCCEEDED", "serve": "SUCCEEDED"},
+        "faults": {**{s: {"job": "SUCCEEDED", "killed": True, "running_at_kill": True, **ROWS} for s in FAULT_STAGES[:5] + ("eval",)},
+                   "training": {"job": "SUCCEEDED", "killed": True, "resumed_from_step": 20, "steps_logged_twice": 0,
+                                "exported": True},
+                   "serving": {"job": "SUCCEEDED", "killed": True, "requests_after": 30, "failed_after": 0}}}
+
+
+def broken(path, value):
+    res = copy.deepcopy(GOOD)
+    *keys, last = path
+    node = res
+    for k in keys:
+        node = node[k]
+    node[last] = value
+    return res
+
+
+def test_every_job_succeeded_and_every_output_equal():
+    assert verdict(GOOD, list(FAULT_STAGES))
+    assert not verdict(broken(("faults", "vocab", "job"), "FAILED"), list(FAULT_STAGES))  # the job, not the rows
+    assert not verdict(broken(("jobs", "eval"), "FAILED"), list(FAULT_STAGES))
+    assert not verdict(broken(("faults", "capture", "digests_equal"), False), list(FAULT_STAGES))
+    assert not verdict(broken(("faults", "tokenize", "duplicates"), 2), list(FAULT_STAGES))
+    assert not verdict(broken(("faults", "ingest", "rows_found"), 63), list(FAULT_STAGES))
+    assert not verdict(broken(("faults", "regenerate", "killed"), False), list(FAULT_STAGES))  # no kill: no proof
+    assert not verdict(broken(("faults", "serving", "failed_after"), 1), list(FAULT_STAGES))
+    assert not verdict(broken(("faults", "training", "resumed_from_step"), None), list(FAULT_STAGES))
+    without_eval = copy.deepcopy(GOOD)
+    del without_eval["faults"]["eval"]
+    assert not verdict(without_eval, list(FAULT_STAGES))  # an asked-for fault that never ran
+    assert verdict(without_eval, [s for s in FAULT_STAGES if s != "eval"])
+
+
+def test_unknown_fault_stage_is_named(capsys):
+    with pytest.raises(SystemExit):
+        main(["check", "--fault-stages", "capture,shuffle"])
+    assert "unknown ['shuffle']" in capsys.readouterr().err
