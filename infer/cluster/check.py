@@ -17,9 +17,9 @@ import os
 import time
 from pathlib import Path
 
-from infer.cluster.jobs import (BUCKET, eval_tree, latest_step, Load, make_inputs, node_rss_mb, pipeline_tree,
-                                read_json, run_job, running, shard_digests, stop_serve, throughput, train_tree,
-                                write_yaml)
+from infer.cluster.jobs import (BUCKET, ON_WORKERS, Load, eval_tree, latest_step, make_inputs, node_rss_mb,
+                                pipeline_tree, read_json, run_job, running, shard_digests, stop_serve, throughput,
+                                train_tree, write_yaml)
 from infer.cluster.local import LocalCluster, S3Server, free_port
 from pipeline import storage
 
@@ -70,8 +70,15 @@ def stage_outputs(run_dir: str) -> dict:
             [cap["rows_digests"], cap["bytes"], cap["tokens"]], sort_keys=True).encode())}
     loc = f"{run_dir}/capture/draft_vocab.safetensors"
     if storage.is_file(loc):
-        stats = read_json(f"{run_dir}/capture/vocab_stats.json", {})
-        out["vocab"] = {"rows": stats.get("draft_vocab_size"), "digest": _sha(storage.read_bytes(loc)), "ids": []}
+        # its content, not its bytes: safetensors writes the metadata in a hash map's order, which differs
+        # between any two processes
+        from safetensors.numpy import load
+
+        data = storage.read_bytes(loc)
+        tensors = load(data)
+        meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__", {})
+        out["vocab"] = {"rows": len(tensors["d2t"]), "ids": [], "digest": _sha(json.dumps(
+            [sorted(meta.items()), {k: v.tolist() for k, v in sorted(tensors.items())}]).encode())}
     return out
 
 
@@ -85,14 +92,27 @@ def compare(found: dict | None, base: dict) -> dict:
 
 def stage_triggers(cl: LocalCluster, sid: str, run_dir: str) -> dict:
     """Per stage: (under way, how far, not yet ended), read from the job's log (each stage logs `[stage]`
-    when it ends) and, for capture, from its shards at the URI (3 of 16 written: mid-way)."""
+    when it ends) and from what it has written: capture's shards at the URI (3 of 16: mid-way), and
+    regeneration's chunks in the driver's mirror of run_dir on this machine (1 of 4)."""
+    from pipeline.regenerate import PARTS
+
     log = lambda: cl.job_logs(sid)  # noqa: E731
     shards = lambda: len(storage.list_names(f"{run_dir}/capture", "shard-*.parquet"))  # noqa: E731
-    after = {"ingest": "pipeline: ", "regenerate": "[ingest]", "tokenize": "[regenerate]", "vocab": "[capture]"}
+    chunks = lambda: len(list((storage.Mirror(run_dir).local / "regenerate" / PARTS).glob("part-*")))  # noqa: E731
+    after = {"ingest": "pipeline: ", "tokenize": "[regenerate]", "vocab": "[capture]"}
     out = {stage: ((lambda m=mark: m in log()), None, (lambda s=stage: f"[{s}]" not in log()))
            for stage, mark in after.items()}
+    out["regenerate"] = (lambda: "[ingest]" in log() and chunks() >= 1, chunks, lambda: "[regenerate]" not in log())
     out["capture"] = (lambda: shards() >= 3, shards, lambda: "[capture]" not in log())
     return out
+
+
+def retried(log: str) -> dict:
+    """Ray's own lines in a job's log for each task or actor call it retried after the kill, by name."""
+    import re
+
+    names = re.findall(r"Task (\S+?)(?:\.\w+)? failed\. There are \w+ retries remaining", log)
+    return {n: names.count(n) for n in sorted(set(names))}
 
 
 def pipeline_fault(cl: LocalCluster, out: Path, corpus, target: Path, records: int, baseline: dict,
@@ -220,6 +240,35 @@ def head_fault(cl: LocalCluster, out: Path, target: Path, corpus, records: int) 
             "cluster_restart_s": restart_s}
 
 
+def pipeline_faults(cl: LocalCluster, out: Path, corpus, target: Path, records: int, stages, result: dict) -> None:
+    """One pipeline job with a worker killed in each of the pipeline `stages` asked for, into `result`."""
+    on_pipeline = [x for x in stages if x in PIPELINE_STAGES]
+    if on_pipeline:
+        result["faults"] |= pipeline_fault(cl, out, corpus, target, records, stage_outputs(f"{BUCKET}/pipeline"),
+                                           on_pipeline)
+        result["retried_by_ray"]["pipeline_fault"] = retried((out / "pipeline_fault.log").read_text())
+
+
+def downstream_faults(cl: LocalCluster, out: Path, target: Path, stages, result: dict) -> None:
+    """Training (killed or not) on the undisturbed run's shards, then eval and serving from its head."""
+    shards, head = f"{BUCKET}/pipeline/capture", f"{BUCKET}/train/head_speculators"
+    if "training" in stages:
+        result["jobs"]["trainer"], train = train_fault(cl, out, target, shards)
+        result["faults"]["training"] = {"job": result["jobs"]["trainer"], **train}
+    else:
+        cfg = write_yaml(out / "train.yaml", train_tree(f"{BUCKET}/train", target, shards))
+        result["jobs"]["trainer"] = run_job(cl, "trainer", ["python", "-m", "trainer", str(cfg)], out)[0]
+    if result["jobs"]["trainer"] != "SUCCEEDED":
+        return
+    if "eval" in stages:
+        result["jobs"]["eval"], result["faults"]["eval"] = eval_fault(cl, out, target, head)
+        result["retried_by_ray"]["eval_fault"] = retried((out / "eval_fault.log").read_text())
+    if "serving" in stages:
+        result["jobs"]["serve"], serve = serve_fault(cl, out, target, head)
+        result["faults"]["serving"] = {"job": result["jobs"]["serve"], **serve}
+        result["serve_stopped"] = stop_serve(cl)
+
+
 def run_check(args) -> dict:
     """Every stage by `ray job submit`, undisturbed, then with a worker node killed in each of
     `args.fault_stages`; `result["ok"]` only when every job ended SUCCEEDED with its output equal to the
@@ -230,7 +279,7 @@ def run_check(args) -> dict:
     corpus, target = make_inputs(out / "inputs")
     records = 64
     stages = [x for x in args.fault_stages.split(",") if x]
-    result: dict = {"jobs": {}, "faults": {}, "storage": BUCKET}
+    result: dict = {"jobs": {}, "faults": {}, "retried_by_ray": {}, "storage": BUCKET}
     with S3Server() as s3, LocalCluster(Path(args.dir), workers=args.workers, env=s3.env) as cl:
         os.environ.update(s3.env)  # this process reads the results from the same store
         storage.write_bytes(f"{BUCKET}/corpus/train.jsonl", corpus.read_bytes())
@@ -239,24 +288,10 @@ def run_check(args) -> dict:
         result["ray_rss_mb_at_start"] = node_rss_mb(cl)
         cfg = write_yaml(out / "pipeline.yaml", pipeline_tree(f"{BUCKET}/pipeline", target, corpus, records))
         result["jobs"]["pipeline"] = run_job(cl, "pipeline", ["python", "-m", "pipeline", str(cfg)], out)[0]
-        shards, head = f"{BUCKET}/pipeline/capture", f"{BUCKET}/train/head_speculators"
         if result["jobs"]["pipeline"] == "SUCCEEDED":
-            on_pipeline = [x for x in stages if x in PIPELINE_STAGES]
-            if on_pipeline:
-                result["faults"] |= pipeline_fault(cl, out, corpus, target, records,
-                                                   stage_outputs(f"{BUCKET}/pipeline"), on_pipeline)
-            result["jobs"]["trainer"], train = train_fault(cl, out, target, shards) if "training" in stages \
-                else (run_job(cl, "trainer", ["python", "-m", "trainer", str(write_yaml(
-                    out / "train.yaml", train_tree(f"{BUCKET}/train", target, shards)))], out)[0], None)
-            if train is not None:
-                result["faults"]["training"] = {"job": result["jobs"]["trainer"], **train}
-        if result["jobs"].get("trainer") == "SUCCEEDED":
-            if "eval" in stages:
-                result["jobs"]["eval"], result["faults"]["eval"] = eval_fault(cl, out, target, head)
-            if "serving" in stages:
-                result["jobs"]["serve"], serve = serve_fault(cl, out, target, head)
-                result["faults"]["serving"] = {"job": result["jobs"]["serve"], **serve}
-                result["serve_stopped"] = stop_serve(cl)
+            pipeline_faults(cl, out, corpus, target, records, stages, result)
+            if {"training", "eval", "serving"} & set(stages):
+                downstream_faults(cl, out, target, stages, result)
         if args.head_kill and result["jobs"]["pipeline"] == "SUCCEEDED":
             result["head_fault"] = head_fault(cl, out, target, corpus, records)
         result["check_wall_s"] = round(time.time() - t0, 1)  # the check itself, before --throughput
