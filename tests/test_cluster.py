@@ -8,7 +8,7 @@ import json
 import pytest
 
 from infer.cluster.check import pipeline_fault, stage_outputs
-from infer.cluster.jobs import BUCKET, pipeline_tree, run_job, shard_digests, write_yaml
+from infer.cluster.jobs import BUCKET, fresh_mirror, pipeline_tree, run_job, shard_digests, write_yaml
 from infer.cluster.local import LocalCluster, S3Server
 from pipeline import storage
 
@@ -17,7 +17,10 @@ pytestmark = pytest.mark.slow
 
 def test_three_nodes_capture_to_s3_survives_a_killed_node(tmp_path, tiny_target, demo_corpus, monkeypatch):
     records = 48
-    with S3Server() as s3, LocalCluster(workers=2, env=s3.env) as cl:  # temp dirs under /tmp: short socket paths
+    for run in ("base", "pipeline_fault"):
+        fresh_mirror(f"{BUCKET}/{run}")
+    # temp dirs under /tmp (short socket paths); no CPU on the head, so the kills land on work
+    with S3Server() as s3, LocalCluster(workers=2, head_cpus=0, env=s3.env) as cl:
         for k, v in s3.env.items():
             monkeypatch.setenv(k, v)  # this process checks the results in the same store
         corpus = f"{BUCKET}/corpus/train.jsonl"

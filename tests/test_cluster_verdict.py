@@ -9,7 +9,8 @@ from infer.cluster.cli import main
 
 ROWS = {"rows_expected": 64, "rows_found": 64, "duplicates": 0, "digests_equal": True}
 GOOD = {"jobs": {"pipeline": "SUCCEEDED", "trainer": "SUCCEEDED", "eval": "SUCCEEDED", "serve": "SUCCEEDED"},
-        "faults": {**{s: {"job": "SUCCEEDED", "killed": True, "running_at_kill": True, **ROWS} for s in FAULT_STAGES[:5] + ("eval",)},
+        "faults": {**{s: {"job": "SUCCEEDED", "killed": True, "running_at_kill": True, **ROWS}
+                      for s in FAULT_STAGES[:5] + ("eval",)},
                    "training": {"job": "SUCCEEDED", "killed": True, "resumed_from_step": 20, "steps_logged_twice": 0,
                                 "exported": True},
                    "serving": {"job": "SUCCEEDED", "killed": True, "requests_after": 30, "failed_after": 0}}}

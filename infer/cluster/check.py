@@ -17,9 +17,9 @@ import os
 import time
 from pathlib import Path
 
-from infer.cluster.jobs import (BUCKET, ON_WORKERS, Load, eval_tree, latest_step, make_inputs, node_rss_mb,
-                                pipeline_tree, read_json, run_job, running, shard_digests, stop_serve, throughput,
-                                train_tree, write_yaml)
+from infer.cluster.jobs import (BUCKET, ON_WORKERS, Load, eval_tree, fresh_mirror, latest_step, make_inputs,
+                                node_rss_mb, pipeline_tree, read_json, run_job, running, shard_digests, stop_serve,
+                                throughput, train_tree, write_yaml)
 from infer.cluster.local import LocalCluster, S3Server, free_port
 from pipeline import storage
 
@@ -87,7 +87,8 @@ def compare(found: dict | None, base: dict) -> dict:
     if not found:
         return {"rows_expected": base["rows"], "rows_found": 0, "duplicates": 0, "digests_equal": False}
     return {"rows_expected": base["rows"], "rows_found": found["rows"],
-            "duplicates": len(found["ids"]) - len(set(found["ids"])), "digests_equal": found["digest"] == base["digest"]}
+            "duplicates": len(found["ids"]) - len(set(found["ids"])),
+            "digests_equal": found["digest"] == base["digest"]}
 
 
 def stage_triggers(cl: LocalCluster, sid: str, run_dir: str) -> dict:
@@ -280,7 +281,10 @@ def run_check(args) -> dict:
     records = 64
     stages = [x for x in args.fault_stages.split(",") if x]
     result: dict = {"jobs": {}, "faults": {}, "retried_by_ray": {}, "storage": BUCKET}
-    with S3Server() as s3, LocalCluster(Path(args.dir), workers=args.workers, env=s3.env) as cl:
+    # No CPU on the head: every task and actor runs on the worker nodes, so a killed worker loses work
+    for s in ("pipeline", "pipeline_fault", "pipeline_head"):
+        fresh_mirror(f"{BUCKET}/{s}")
+    with S3Server() as s3, LocalCluster(Path(args.dir), workers=args.workers, head_cpus=0, env=s3.env) as cl:
         os.environ.update(s3.env)  # this process reads the results from the same store
         storage.write_bytes(f"{BUCKET}/corpus/train.jsonl", corpus.read_bytes())
         corpus = f"{BUCKET}/corpus/train.jsonl"
@@ -318,6 +322,7 @@ def verdict(result: dict, stages: list[str]) -> bool:
         elif stage == "training":
             if f.get("steps_logged_twice") or not f.get("exported") or f.get("resumed_from_step") is None:
                 return False
-        elif not (f.get("digests_equal") and f.get("duplicates") == 0 and f.get("rows_found") == f.get("rows_expected")):
+        elif not (f.get("digests_equal") and f.get("duplicates") == 0
+                  and f.get("rows_found") == f.get("rows_expected")):
             return False
     return jobs_ok

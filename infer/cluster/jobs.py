@@ -42,6 +42,14 @@ def make_inputs(folder: Path) -> tuple[Path, Path]:
     return corpus / "train.jsonl", target
 
 
+def fresh_mirror(run_dir: str) -> None:
+    """Drop the driver's local mirror of `run_dir` (pipeline/storage.py Mirror): the S3 server starts empty,
+    but a mirror left by an earlier check would hand regeneration its finished chunks."""
+    import shutil
+
+    shutil.rmtree(storage.Mirror(run_dir).local, ignore_errors=True)
+
+
 def pipeline_tree(run_dir: str, target: Path, corpus: str, records: int, regenerate: bool = True) -> dict:
     """Every stage, its actors one per worker node; capture cut small (4 rows a shard) so a kill lands mid-way."""
     actors = {"num_actors": 2, "num_cpus_per_actor": 0.5, "threads_per_actor": 1, "resources_per_actor": ON_WORKERS}
