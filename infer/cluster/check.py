@@ -62,8 +62,8 @@ def stage_outputs(run_dir: str) -> dict:
                           "ids": [json.loads(x)["id"] for x in data.splitlines() if x.strip()]}
     loc = f"{run_dir}/tokenize/tokens.parquet"
     if storage.is_file(loc):
-        out["tokenize"] = {"rows": storage.read_table(loc, ["id"]).num_rows, "digest": _sha(storage.read_bytes(loc)),
-                           "ids": storage.read_table(loc, ["id"])["id"].to_pylist()}
+        ids = storage.read_table(loc, ["id"])["id"].to_pylist()
+        out["tokenize"] = {"rows": len(ids), "digest": _sha(storage.read_bytes(loc)), "ids": ids}
     if storage.is_file(f"{run_dir}/capture/manifest.json"):
         cap = shard_digests(f"{run_dir}/capture")
         out["capture"] = {"rows": cap["rows"], "ids": cap["ids"], "digest": _sha(json.dumps(
