@@ -84,6 +84,56 @@ def prompt_file(path: Path) -> list[str]:
     return [it["turns"][0] for it in read_jsonl(path)]
 
 
+SOURCES = ("mt_bench", "gsm8k", "ceval", "chat")
+
+
+def source_prompts(name: str, data: Path | None = None) -> list[str]:
+    """First user turns of one source: a benchmark the data folder holds (MT-Bench, GSM8K test, C-Eval
+    val), its chat corpora (`chat/`, every file), or a jsonl of prompts at that path."""
+    data = Path(data) if data else DATA_DIR
+    if name == "mt_bench":
+        return [it["turns"][0] for it in read_mt_bench(data / "mt_bench" / "question.jsonl")]
+    if name == "gsm8k":
+        return [it["turns"][0] for it in read_gsm8k(data / "gsm8k" / "test.jsonl")]
+    if name == "ceval":
+        return [it["turns"][0] for it in read_ceval(data / "ceval")]
+    if name == "chat":
+        from pipeline.formats import load_conversations
+
+        convs = [c for f in sorted((data / "chat").iterdir()) if f.is_file() for c in load_conversations(f)[0]]
+        return [next(t["content"] for t in c if t["role"] == "user") for c in convs
+                if any(t["role"] == "user" for t in c)]
+    if Path(name).is_file():
+        return prompt_file(Path(name))
+    raise ValueError(f"prompt source {name!r}: not one of {', '.join(SOURCES)} nor a jsonl file")
+
+
+def prompt_set(spec: str, data: Path | None = None) -> list[str]:
+    """Comma-separated sources (`source_prompts`) -> their prompts interleaved (one of each in turn, so the
+    first n hold every source), repeats dropped."""
+    lists = [source_prompts(s.strip(), data) for s in spec.split(",") if s.strip()]
+    out, seen = [], set()
+    for i in range(max((len(x) for x in lists), default=0)):
+        for x in lists:
+            if i < len(x) and x[i] not in seen:
+                seen.add(x[i])
+                out.append(x[i])
+    return out
+
+
+def disjoint_sets(tune: str, report: str, data: Path | None = None) -> tuple[list[str], list[str]]:
+    """The tuning and report prompt sets, refused unless split by source: no source named in both, no prompt
+    text in both."""
+    shared = {s.strip() for s in tune.split(",")} & {s.strip() for s in report.split(",")}
+    if shared:
+        raise ValueError(f"--tune-prompts and --report-prompts share {', '.join(sorted(shared))}: split by source")
+    a, b = prompt_set(tune, data), prompt_set(report, data)
+    both = set(a) & set(b)
+    if both:
+        raise ValueError(f"--tune-prompts and --report-prompts share {len(both)} prompts: {next(iter(both))[:60]!r}")
+    return a, b
+
+
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """One user message through the target's chat template, with the generation prompt."""
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

@@ -168,3 +168,29 @@ def test_speculators_loop_seconds_from_its_progress_lines(tmp_path):
     assert bench_peers.speculators_loop_s(log) == 66 + 3601
     log.write_text("no progress lines\n")
     assert bench_peers.speculators_loop_s(log) is None
+
+
+def test_prompt_sets_split_by_source(tmp_path):
+    """--tune-prompts / --report-prompts: named sources interleave (the first n hold each), and two sets that
+    share a source or a prompt's text are refused."""
+    from infer.benchmarks import disjoint_sets, prompt_set, source_prompts
+    from tools.bench import peers as bench_peers
+
+    mt, gsm, ceval = (source_prompts(s) for s in ("mt_bench", "gsm8k", "ceval"))
+    assert (len(mt), len(gsm), len(ceval)) == (80, 1319, 371)
+    mixed = prompt_set("gsm8k,ceval")
+    assert mixed[:4] == [gsm[0], ceval[0], gsm[1], ceval[1]] and len(mixed) == len(set(gsm) | set(ceval))
+    tune, report = disjoint_sets("mt_bench", "gsm8k,chat")
+    assert len(tune) == 80 and not set(tune) & set(report)
+    with pytest.raises(ValueError, match="share gsm8k"):
+        disjoint_sets("mt_bench,gsm8k", "gsm8k")
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"prompt": gsm[3]}) + "\n" + json.dumps({"prompt": "something else"}) + "\n")
+    with pytest.raises(ValueError, match="share 1 prompts"):
+        disjoint_sets("gsm8k", str(mine))
+    scores = {"eagleray": {"vllm_tau_k3": 2.2, "vllm_tau_k7": 2.4, "accept_by_pos_k3": [0.6, 0.3]},
+              "spec": {"vllm_tau_k3": 2.0, "vllm_tau_k7": 2.5, "accept_by_pos_k3": [0.5, 0.3]},
+              "ours_lk": {"vllm_tau_k3": 9.0}}
+    kinds = {"eagleray": "eagleray", "spec": "speculators", "ours_lk": "eagleray"}
+    assert bench_peers.versus_peers(kinds, scores) == {
+        "eagleray_vs_best_peer": 1.1, "eagleray_vs_best_peer_k7": 0.96, "eagleray_vs_best_peer_pos1": 1.2}

@@ -105,10 +105,10 @@ def test_training_block_is_the_decoding_block(causal):
         torch.testing.assert_close(got, train_logits[n], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("labels,dpace", [("soft", None), ("hard", 0.5)])
-def test_objective_learns_a_fixed_batch(labels, dpace):
-    """The soft loss with the fixed decay, and hard labels with D-PACE slot weights (DFlash's default, which
-    scores the batch differently) both fit a fixed batch."""
+@pytest.mark.parametrize("labels,dpace,loss", [("soft", None, "kl"), ("hard", 0.5, "kl"), ("soft", None, "lk_hybrid")])
+def test_objective_learns_a_fixed_batch(labels, dpace, loss):
+    """The soft loss with the fixed decay, hard labels with D-PACE slot weights (DFlash's default, which
+    scores the batch differently), and the LK hybrid loss all fit a fixed batch."""
     head = dflash_head(small_cfg()).float()
     gen = torch.Generator().manual_seed(1)
     b, t = 2, 40
@@ -121,8 +121,8 @@ def test_objective_learns_a_fixed_batch(labels, dpace):
     target_logits = 4 * torch.randn(n, VOCAB, generator=gen)
     p, am = torch.softmax(target_logits, -1), target_logits.argmax(-1)
     obj = DFlashObjective(head, torch.randn(64, generator=gen), anchors=16, decay_gamma=4.0, labels=labels,
-                          dpace_alpha=dpace)
-    if dpace:
+                          dpace_alpha=dpace, loss=loss)
+    if dpace or loss != "kl":
         base = DFlashObjective(head, obj.mask_embedding, anchors=16, decay_gamma=4.0).eval()
         with torch.no_grad():
             assert abs(float(obj.eval()(aux, emb, p, am, row, mask)["loss"]) -

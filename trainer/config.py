@@ -79,6 +79,8 @@ class Model(StrictModel):
         None, description="learn the target's distribution or argmax; null: soft (eagle3), hard (dflash)")
     position_weight: Literal["decay", "dpace"] | None = Field(
         None, description="step or slot weights, fixed decay or D-PACE; null: decay (eagle3), dpace (dflash)")
+    loss: Literal["kl", "lk_hybrid", "lk_alpha"] = Field(
+        "kl", description="kl; lk_hybrid / lk_alpha: the LK losses, which target acceptance (soft labels, decay)")
     dpace_alpha: float = Field(
         0.5, gt=0, le=1, description="D-PACE's confidence smoothing: (1 - alpha) p + alpha")
     num_layers: int | None = Field(
@@ -118,6 +120,8 @@ class Model(StrictModel):
             raise ValueError("norm_before_fc and fc_norm: one or the other (both norm the aux states)")
         if self.freeze_lm_head and self.lm_head_init == "random" and self.init_from is None:
             raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
+        if self.loss != "kl" and (self.labels != "soft" or self.position_weight != "decay"):
+            raise ValueError(f"loss: {self.loss} needs labels: soft and position_weight: decay")
         if self.kind == "eagle3" and self.block_causal:
             raise ValueError("block_causal: an EAGLE-3 head drafts no block (kind: dflash)")
         if self.kind == "eagle3" and self.layers != 1:

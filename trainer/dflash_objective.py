@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from trainer.ttt import dpace_weights, position_losses, row_argmax
+from trainer.ttt import dpace_weights, lk_losses, position_losses, row_argmax
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -92,14 +92,18 @@ class DFlashObjective(nn.Module):
     forward signature and outputs: per-slot loss and the accepted-prefix counts as `step_*` (StepSums)."""
 
     def __init__(self, head: nn.Module, mask_embedding: torch.Tensor, anchors: int, decay_gamma: float | None,
-                 off_vocab: str = "drop", eval_seed: int = 0, labels: str = "soft", dpace_alpha: float | None = None):
+                 off_vocab: str = "drop", eval_seed: int = 0, labels: str = "soft", dpace_alpha: float | None = None,
+                 loss: str = "kl"):
         """labels: "soft" (the target's distribution) or "hard" (its argmax); dpace_alpha: each block's slots
         weighed by trainer/ttt.py `dpace_weights` over the counted slots' mean (speculators' DFlash default,
-        with hard labels) in place of the fixed decay."""
+        with hard labels) in place of the fixed decay. loss: "kl", or an LK loss per counted row
+        (trainer/ttt.py `lk_losses`), with soft labels and the fixed decay."""
         super().__init__()
         self.head, self.anchors, self.block = head, anchors, head.config.block_size
         self.keep_off_vocab, self.eval_seed = off_vocab == "keep", eval_seed
-        self.hard, self.dpace_alpha = labels == "hard", dpace_alpha
+        self.hard, self.dpace_alpha, self.loss = labels == "hard", dpace_alpha, loss
+        if loss != "kl" and (self.hard or dpace_alpha is not None):
+            raise ValueError(f"model.loss: {loss} needs labels: soft and position_weight: decay")
         self.weights = slot_weights(self.block, decay_gamma)
         self.register_buffer("mask_embedding", mask_embedding.detach().clone(), persistent=False)
 
@@ -134,6 +138,8 @@ class DFlashObjective(nn.Module):
             weight = (torch.ones_like(am, dtype=logits.dtype) if self.keep_off_vocab
                       else self.head.t2d[am].to(logits.dtype))
             elem, conf[:, :, k][sel] = position_losses(logits, target_p[r], weight, self.hard)
+            if self.loss != "kl":
+                elem = lk_losses(self.loss, logits, target_p[r], weight)
             elems.append(elem)
             losses.append(elem.detach().sum() / max(1, int(sel.sum())))  # the slot's mean over its counted rows
             with torch.no_grad():

@@ -101,8 +101,10 @@ class HeadTrainer:
         dpace = m.dpace_alpha if m.position_weight == "dpace" else None
         if m.kind == "dflash":
             mask = self.target.embed(torch.tensor([head.config.mask_token_id], device=self.device))[0]
-            return DFlashObjective(head, mask, m.anchors, m.decay_gamma, m.off_vocab, self.cfg.seed, m.labels, dpace)
-        return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.off_vocab, m.labels, dpace)
+            return DFlashObjective(head, mask, m.anchors, m.decay_gamma, m.off_vocab, self.cfg.seed, m.labels, dpace,
+                                  m.loss)
+        return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.off_vocab, m.labels, dpace,
+                             m.loss)
 
     def _engine(self, objective):
         import deepspeed

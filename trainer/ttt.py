@@ -101,6 +101,33 @@ def position_losses(draft_logits: torch.Tensor, target_p: torch.Tensor, weight: 
     return weight * ce, lp_top.detach().exp()
 
 
+LK_DECAY = 3.0  # lk_hybrid's lambda = exp(-LK_DECAY * alpha): the LK paper's best hybrid setting
+
+
+def acceptance_rate(draft_logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
+    """Per row: sum_v min(p_v, q_v), q = softmax(draft logits): the chance that speculative sampling accepts
+    a token drawn from q against p (1 - their total variation distance), over the draft vocabulary."""
+    return torch.minimum(torch.softmax(_wide(draft_logits), dim=-1), _wide(target_p)).sum(-1)
+
+
+def lk_losses(kind: str, draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per counted row, weight x the LK loss (arXiv 2602.23881), alpha the row's `acceptance_rate`:
+      lk_hybrid: lam * KL(p || q) + (1 - lam) * (1 - alpha), lam = exp(-3 alpha) held constant in the backward
+                 pass: KL's strong gradient while the draft is far off, acceptance itself once it is close;
+      lk_alpha:  -log alpha, acceptance maximised directly (cross-entropy where p is one token).
+    Rows are summed and divided as the KL loss's (`step_loss`)."""
+    logp = torch.log_softmax(_wide(draft_logits), dim=-1)
+    p = _wide(target_p)
+    alpha = torch.minimum(logp.exp(), p).sum(-1)
+    if kind == "lk_alpha":
+        return weight * -torch.log(alpha.clamp(min=1e-5))
+    if kind != "lk_hybrid":
+        raise ValueError(f"model.loss: {kind!r} is not kl, lk_hybrid or lk_alpha")
+    kl = (p * (torch.log(p.clamp(min=1e-30)) - logp)).sum(-1)
+    lam = torch.exp(-LK_DECAY * alpha.detach())
+    return weight * (lam * kl + (1 - lam) * (1 - alpha))
+
+
 def dpace_weights(conf: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
     """D-PACE position weights over chains [M, K] (a DFlash block's slots, or one start position's TTT
     steps): the derivative of the expected accepted length sum_j prod_{i<=j} c_i with respect to log c_k,
@@ -192,16 +219,19 @@ class TTTObjective(nn.Module):
 
     def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
                  compile: bool = False, off_vocab: str = "drop", labels: str = "soft",
-                 dpace_alpha: float | None = None):
+                 dpace_alpha: float | None = None, loss: str = "kl"):
         """Each step's loss sum is divided by every position of the batch (padding and prompt included).
         off_vocab: where the target's argmax is outside the draft vocabulary, "drop" the position from the
         loss, or "keep" it (the target's distribution over the draft vocab). labels: "soft" (the target's
         distribution) or "hard" (its argmax). dpace_alpha: weigh each position's steps by `dpace_weights`
-        (each start position a chain of ttt_length steps) in place of decay ** s."""
+        (each start position a chain of ttt_length steps) in place of decay ** s. loss: "kl", or an LK
+        loss (`lk_losses`: lk_hybrid, lk_alpha), with soft labels and the decay weights."""
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
         self.keep_off_vocab = off_vocab == "keep"
-        self.hard, self.dpace_alpha = labels == "hard", dpace_alpha
+        self.hard, self.dpace_alpha, self.loss = labels == "hard", dpace_alpha, loss
+        if loss != "kl" and (self.hard or dpace_alpha is not None):
+            raise ValueError(f"model.loss: {loss} needs labels: soft and position_weight: decay")
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self.step_loss = step_loss
         if compile:
@@ -236,7 +266,9 @@ class TTTObjective(nn.Module):
             tgt_am = target_argmax[rows]
             weight = (torch.ones_like(tgt_am, dtype=logits.dtype) if self.keep_off_vocab
                       else self.head.t2d[tgt_am].to(logits.dtype))
-            if self.hard or self.dpace_alpha is not None:
+            if self.loss != "kl":
+                loss = lk_losses(self.loss, logits, target_p[rows], weight).sum() / positions
+            elif self.hard or self.dpace_alpha is not None:
                 elem, conf = position_losses(logits, target_p[rows], weight, self.hard)
                 loss = elem.sum() / positions
                 parts.append((sel, elem, conf))

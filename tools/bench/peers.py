@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from infer.benchmarks import chat_ids, default_prompts, prompt_file
+from infer.benchmarks import chat_ids, default_prompts, disjoint_sets, prompt_file, prompt_set
 from pipeline.shards import read_manifest
 from pipeline.yaml_config import load_config
 from tools.bench.peer_envs import specforge_bench, speculators_prep
@@ -228,6 +228,50 @@ def judge(args, heads: dict[str, Path], prompts: list[list[int]], out: Path) -> 
 
 
 HELD_OUT = "held-out"
+REPORT, TUNE = "report", "tune"
+PEER_KINDS = ("speculators", "specforge")
+VERSUS = ("eagleray_vs_best_peer", "eagleray_vs_best_peer_k7", "eagleray_vs_best_peer_pos1")
+
+
+def versus_peers(kinds: dict[str, str], scores: dict[str, dict]) -> dict:
+    """Our default run's vLLM tau (k=3, k=7) and its acceptance at the first draft position (k=3) over the
+    best peer's, on one prompt set; None where either is missing."""
+    def ratio(get):
+        peer = [v for n, s in scores.items() if kinds.get(n) in PEER_KINDS and (v := get(s)) is not None]
+        ours = get(scores.get("eagleray", {}))
+        return round(ours / max(peer), 4) if peer and ours else None
+
+    first = lambda s: (s.get("accept_by_pos_k3") or [None])[0]  # noqa: E731
+    return dict(zip(VERSUS, (ratio(lambda s: s.get("vllm_tau_k3")), ratio(lambda s: s.get("vllm_tau_k7")),
+                             ratio(first))))
+
+
+def prompt_sets(args, val_rows: int) -> dict[str, dict]:
+    """The prompt sets judged, report last: --report-prompts (with --tune-prompts, split by source), else
+    --prompts (a file, or held-out rows), else the tool's default MT-Bench + GSM8K list. Each: its spec, token
+    ids (at most --n of at most --max-prompt-tokens), and how many were too long."""
+    if args.report_prompts and args.prompts:
+        raise SystemExit("--prompts and --report-prompts: one or the other")
+    if args.tune_prompts and not args.report_prompts:
+        raise SystemExit("--tune-prompts needs --report-prompts (the set the result is reported on)")
+    if args.report_prompts:
+        tune, report = (disjoint_sets(args.tune_prompts, args.report_prompts, args.data) if args.tune_prompts
+                        else ([], prompt_set(args.report_prompts, args.data)))
+        texts = {TUNE: (args.tune_prompts, tune)} if args.tune_prompts else {}
+        texts[REPORT] = (args.report_prompts, report)
+    elif str(args.prompts) == HELD_OUT:
+        texts = {REPORT: (HELD_OUT, None)}
+    else:
+        texts = {REPORT: (str(args.prompts or "data/ (MT-Bench + GSM8K)"),
+                          prompt_file(args.prompts) if args.prompts else default_prompts(None, 4 * args.n))}
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(args.target)
+    sets = {}
+    for name, (spec, items) in texts.items():
+        ids = held_out_prompts(args.capture, val_rows) if items is None else [chat_ids(tok, t) for t in items]
+        short = [p for p in ids if len(p) <= args.max_prompt_tokens]
+        sets[name] = {"spec": spec, "ids": short[: args.n], "too_long": len(ids) - len(short)}
+    return sets
 
 
 def held_out_prompts(capture: Path, n_val: int) -> list[list[int]]:
@@ -254,7 +298,12 @@ def parse(argv) -> argparse.Namespace:
                     help="another run of our trainer with these overrides (repeatable)")
     ap.add_argument("--prompts", type=Path, help="MT-Bench-style or {\"prompt\"} JSONL, or 'held-out': the prompts "
                     "of our trainer's held-out rows of the capture; default: data/ benchmarks")
-    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--tune-prompts", metavar="SOURCES", help="prompts a recipe is chosen on: comma-separated "
+                    "mt_bench, gsm8k, ceval, chat (the --data folder's) or jsonl files; judged and reported apart")
+    ap.add_argument("--report-prompts", metavar="SOURCES", help="prompts the result is reported on (the top-level "
+                    "ratios), from sources --tune-prompts does not name; with --tune-prompts, refused if they share one")
+    ap.add_argument("--data", type=Path, help="the folder named sources are read from (default: the repo's data/)")
+    ap.add_argument("--n", type=int, default=40, help="prompts per set")
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out (counted)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--epochs", type=int, default=2)
@@ -277,18 +326,11 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     ours_cfg = args.ours_cfg = load_config(TrainConfig, args.ours_config,
                                            [f"target={args.target}", f"data.shards={args.capture}"])
-    if str(args.prompts) == HELD_OUT:
-        all_prompts = held_out_prompts(args.capture, ours_cfg.data.val_rows)
-    else:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(args.target)
-        texts = prompt_file(args.prompts) if args.prompts else default_prompts(None, 4 * args.n)
-        all_prompts = [chat_ids(tok, t) for t in texts]
-    prompts = [p for p in all_prompts if len(p) <= args.max_prompt_tokens][: args.n]
+    sets = prompt_sets(args, ours_cfg.data.val_rows)
     if args.judge:
         heads = dict((n, Path(d)) for n, _, d in (j.partition("=") for j in args.judge))
-        result = {"heads": judge(args, heads, prompts, args.out), "prompts": str(args.prompts or "data/"),
-                  "n": len(prompts)}
+        result = {"sets": {name: {"prompts": ps["spec"], "n": len(ps["ids"]),
+                                  "heads": judge(args, heads, ps["ids"], args.out / name)} for name, ps in sets.items()}}
         (args.out / "result.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result))
         return result
@@ -324,26 +366,28 @@ def main(argv=None) -> dict:
 
     tokens = speculators_prep.training_tokens(args.capture, ours_cfg.data.val_rows)
     heads = {n: Path(e["head"]) for n, e in entries.items() if e["status"] == "ok"}
-    scores = judge(args, heads, prompts, args.out) if heads else {}
+    result = {"heads": entries, "epochs": args.epochs, "training_tokens": tokens, "sets": {}}
+    for set_name, ps in sets.items():  # the report set last: its scores are the heads' and the top level's
+        scores = judge(args, heads, ps["ids"], args.out / set_name) if heads else {}
+        kinds = {n: e["kind"] for n, e in entries.items()}
+        one = {"prompts": ps["spec"], "n": len(ps["ids"]), "prompts_left_out_too_long": ps["too_long"],
+               **versus_peers(kinds, scores), "heads": scores}
+        result["sets"][set_name] = one
+    report = result["sets"][REPORT]
+    result |= {k: report[k] for k in ("prompts", "n", "prompts_left_out_too_long", *VERSUS)}
     for name, e in entries.items():
-        e.update(scores.get(name, {}))
+        e.update(report["heads"].get(name, {}))
         secs = e.get("loop_s") or e.get("train_s")
         if secs and e["status"] == "ok":  # per second of the training loop where the trainer says it
             e["tokens_per_s"] = round(tokens * args.epochs / secs, 1)
             e["token_ttt_steps_per_s"] = round(tokens * args.epochs * e["ttt_steps"] / secs, 1)
-    result = {"heads": entries, "prompts": str(args.prompts or "data/ (MT-Bench + GSM8K)"), "n": len(prompts),
-              "prompts_left_out_too_long": len(all_prompts) - len([p for p in all_prompts if len(p) <= args.max_prompt_tokens]),
-              "epochs": args.epochs, "training_tokens": tokens}
-    for k in (3, 7):
-        key = f"vllm_tau_k{k}"
-        peer = [e[key] for e in entries.values() if e["kind"] in ("speculators", "specforge") and key in e]
+        if e.get("vllm_tau_k3") and e.get("train_s"):  # what a user's hour of training buys, wall time
+            e["tau_gain_per_train_hour"] = round((e["vllm_tau_k3"] - 1) * 3600 / e["train_s"], 2)
+    for key, out in (("token_ttt_steps_per_s", "eagleray_vs_fastest_peer_speed"),
+                     ("tau_gain_per_train_hour", "eagleray_vs_best_peer_per_hour")):
+        peer = [e[key] for e in entries.values() if e["kind"] in PEER_KINDS and key in e]
         ours = entries.get("eagleray", {}).get(key)
-        name = "eagleray_vs_best_peer" + ("" if k == 3 else "_k7")
-        result[name] = round(ours / max(peer), 4) if peer and ours else None
-    speed = [e["token_ttt_steps_per_s"] for e in entries.values()
-             if e["kind"] in ("speculators", "specforge") and "token_ttt_steps_per_s" in e]
-    ours_speed = entries.get("eagleray", {}).get("token_ttt_steps_per_s")
-    result["eagleray_vs_fastest_peer_speed"] = round(ours_speed / max(speed), 4) if speed and ours_speed else None
+        result[out] = round(ours / max(peer), 4) if peer and ours else None
     for name, e in entries.items():  # each DFlash run of ours against speculators' DFlash aligned to it
         peer = entries.get(f"speculators_{name}", {})
         if "dflash" in e and e.get("vllm_tau_k3") and peer.get("vllm_tau_k3"):
