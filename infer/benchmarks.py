@@ -97,21 +97,24 @@ def source_prompts(name: str, data: Path | None = None) -> list[str]:
         return [it["turns"][0] for it in read_gsm8k(data / "gsm8k" / "test.jsonl")]
     if name == "ceval":
         return [it["turns"][0] for it in read_ceval(data / "ceval")]
-    if name == "chat":
+    if name == "chat":  # each file's first user turns, the files interleaved
         from pipeline.formats import load_conversations
 
-        convs = [c for f in sorted((data / "chat").iterdir()) if f.is_file() for c in load_conversations(f)[0]]
-        return [next(t["content"] for t in c if t["role"] == "user") for c in convs
-                if any(t["role"] == "user" for t in c)]
+        files = [load_conversations(f)[0] for f in sorted((data / "chat").iterdir()) if f.is_file()]
+        return interleave([[next(t["content"] for t in c if t["role"] == "user") for c in convs
+                            if any(t["role"] == "user" for t in c)] for convs in files])
     if Path(name).is_file():
         return prompt_file(Path(name))
     raise ValueError(f"prompt source {name!r}: not one of {', '.join(SOURCES)} nor a jsonl file")
 
 
 def prompt_set(spec: str, data: Path | None = None) -> list[str]:
-    """Comma-separated sources (`source_prompts`) -> their prompts interleaved (one of each in turn, so the
-    first n hold every source), repeats dropped."""
-    lists = [source_prompts(s.strip(), data) for s in spec.split(",") if s.strip()]
+    """Comma-separated sources (`source_prompts`) -> their prompts, interleaved."""
+    return interleave([source_prompts(s.strip(), data) for s in spec.split(",") if s.strip()])
+
+
+def interleave(lists: list[list[str]]) -> list[str]:
+    """One of each list in turn (so any first n hold every list), repeats dropped."""
     out, seen = [], set()
     for i in range(max((len(x) for x in lists), default=0)):
         for x in lists:
