@@ -4,7 +4,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from trainer.head import Eagle3Head
-from trainer.ttt import (LK_DECAY, TTTObjective, acceptance_rate, dpace_weights, lk_losses, position_losses, row_argmax, shift_left, simulated_tau,
+from trainer.ttt import (LK_DECAY, TTTObjective, acceptance_rate, dpace_weights, lk_losses, position_losses,
+                         round_rejections, row_argmax, shift_left, simulated_tau,
                          step_loss, target_distribution, target_rows, ttt_attention, ttt_attention_mask,
                          ttt_positions, ttt_unroll)
 from trainer.ttt_flash import ttt_attention_flash
@@ -121,7 +122,7 @@ def tiny_head(vocab=40, draft=24):
 
 
 def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay, off_vocab="drop", hard=False,
-                   dpace=None):
+                   dpace=None, terms_out=None):
     """Position by position, step by step: each query's keys listed explicitly. dpace: each start position's
     steps weighed by sum_{j>=s, counted} prod_{i<=j} ((1 - dpace) * p_i + dpace), p_i the draft's
     probability of the target's top draft-vocab token at step i (1 where step i is not counted)."""
@@ -158,6 +159,9 @@ def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay,
                 keep = off_vocab == "keep" or bool(head.t2d[target_am[bi, j]])
                 term = (-lp[top] if hard else -(target_p[bi, j] * lp).sum()) * keep
                 terms.setdefault((bi, i), {})[s] = (term, float(lp[top].detach().exp()))
+                if terms_out is not None:  # (row, position, step) -> (term, draft argmax == target argmax)
+                    d = int(lp.argmax())
+                    terms_out[(bi, i, s)] = (float(term), d + int(head.d2t[d]) == int(target_am[bi, j]))
                 loss_s = loss_s + term
         denoms.append(b * t)
         total = total + decay ** s * loss_s / denoms[-1]
@@ -296,6 +300,51 @@ def test_lk_losses_raise_acceptance_on_a_fixed_batch(loss):
         curve.append(out["loss"].item())
     after = step0_alpha()
     assert after > before + 0.2 and curve[-1] < curve[0], (before, after, curve[0], curve[-1])
+
+
+def test_round_rejections_by_hand():
+    """Rounds along a run of loss tokens 3..8: the first starts at 2 (token 3 is the target's first, the bonus),
+    accepts its leading right steps A and the next starts at i + A + 1; a round with A < L is rejected at
+    step A unless the rejected token lies past the run."""
+    def rows(accs):
+        c = torch.zeros(1, 10, 3, dtype=torch.bool)
+        for i, a in accs.items():
+            c[0, i, :a] = True
+        return c
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0]])
+    # i=2 accepts 1 (rejected at step 1, token 5), i=4 accepts 3 (all), i=8: token 10 is past the run
+    got = round_rejections(rows({2: 1, 4: 3, 3: 3}), mask)
+    assert got.nonzero().tolist() == [[0, 2, 1]]
+    # i=2 accepts 1, i=4 accepts 0 (step 0), i=5 accepts 2: its rejected token 9 is past the run
+    got = round_rejections(rows({2: 1, 4: 0, 5: 2}), mask)
+    assert got.nonzero().tolist() == [[0, 2, 1], [0, 4, 0]]
+    two = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 1, 1]])  # two runs: 1..2 and 5..9
+    got = round_rejections(rows({0: 0, 4: 0, 5: 1, 7: 0}), two)
+    assert got.nonzero().tolist() == [[0, 0, 0], [0, 4, 0], [0, 5, 1], [0, 7, 0]]
+
+
+def test_rejection_boost_weighs_the_rejected_rows():
+    """model.rejection_boost b: the loss is the decay-weighted loss plus b x each rejected row's term (found
+    from the naive loop's own draft argmaxes) x decay ** s / positions."""
+    head = tiny_head()
+    torch.manual_seed(5)
+    b, t, steps, decay = 2, 12, 3, 0.8
+    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
+    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
+    p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1]])
+    targets = compact_targets(tlogits, mask, head.t2d)
+    terms = {}
+    naive_ttt_loss(head, aux, emb, p, am, mask, steps, decay, "keep", terms_out=terms)
+    right = torch.zeros(b, t, steps, dtype=torch.bool)
+    for (bi, i, s), (_, ok) in terms.items():
+        right[bi, i, s] = ok
+    rejected = round_rejections(right, mask)
+    assert int(rejected.sum()) >= 3
+    extra = sum(decay ** s * terms[(bi, i, s)][0] for bi, i, s in rejected.nonzero().tolist()) / (b * t)
+    base = TTTObjective(head, steps, decay, off_vocab="keep")(aux, emb, *targets, mask)["loss"].item()
+    got = TTTObjective(head, steps, decay, off_vocab="keep", rejection_boost=2.0)(aux, emb, *targets, mask)["loss"].item()
+    assert abs(got - (base + 2.0 * extra)) < 1e-9 and extra > 1e-3
 
 
 def test_target_rows_cover_exactly_what_steps_read():

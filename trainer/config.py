@@ -81,6 +81,9 @@ class Model(StrictModel):
         None, description="step or slot weights, fixed decay or D-PACE; null: decay (eagle3), dpace (dflash)")
     loss: Literal["kl", "lk_hybrid", "lk_alpha"] = Field(
         "kl", description="kl; lk_hybrid / lk_alpha: the LK losses, which target acceptance (soft labels, decay)")
+    rejection_boost: float = Field(
+        0.0, ge=0, description="eagle3: rows where the head's chain decode of the row would be rejected weigh "
+                               "1 + this (0: off)")
     dpace_alpha: float = Field(
         0.5, gt=0, le=1, description="D-PACE's confidence smoothing: (1 - alpha) p + alpha")
     num_layers: int | None = Field(
@@ -122,6 +125,8 @@ class Model(StrictModel):
             raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
         if self.loss != "kl" and (self.labels != "soft" or self.position_weight != "decay"):
             raise ValueError(f"loss: {self.loss} needs labels: soft and position_weight: decay")
+        if self.rejection_boost and (self.kind != "eagle3" or self.position_weight != "decay"):
+            raise ValueError("rejection_boost: an eagle3 head with position_weight: decay")
         if self.kind == "eagle3" and self.block_causal:
             raise ValueError("block_causal: an EAGLE-3 head drafts no block (kind: dflash)")
         if self.kind == "eagle3" and self.layers != 1:

@@ -140,6 +140,39 @@ def dpace_weights(conf: torch.Tensor, valid: torch.Tensor, alpha: float) -> torc
     return run.flip(-1).cumsum(-1).flip(-1) * v
 
 
+def round_rejections(correct: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Where a chain draft of the head is rejected when it decodes the row's own text: correct [B, T, L]
+    (step s at position i right, as `step_correct`; False where not counted), loss_mask [B, T] -> [B, T, L]
+    bool, True at (i, a) for each round that starts at i and accepts a < L drafted tokens.
+
+    In each run of loss tokens a .. e-1 (text the target wrote), the first round starts at i = a - 1: the
+    target's first token a is the bonus, step s predicts token i + 2 + s. A round accepts the leading right
+    steps A, then the target's token at i + 2 + A is the next bonus: the next round starts at i + A + 1. On
+    the target's own greedy text these are the rounds our engine's chain decode runs (the draft equals the
+    TTT step where every earlier step was right), so no decode pass is needed to find them."""
+    b, t, L = correct.shape
+    acc = torch.cumprod(correct.int(), dim=-1).sum(-1).tolist()  # leading right steps at each position
+    mask = loss_mask.tolist()
+    out = torch.zeros(b, t, L, dtype=torch.bool)
+    for r in range(b):
+        j = 0
+        while j < t:
+            if not mask[r][j]:
+                j += 1
+                continue
+            e = j
+            while e < t and mask[r][e]:
+                e += 1
+            i = max(j - 1, 0)
+            while i + 2 < e:
+                a = acc[r][i]
+                if a < L and i + 2 + a < e:
+                    out[r, i, a] = True
+                i += a + 1
+            j = e
+    return out.to(correct.device)
+
+
 def step_correct(draft_logits: torch.Tensor, d2t: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
     """Per position: draft argmax mapped to target ids equals the target's argmax."""
     draft_ids = row_argmax(draft_logits)
@@ -219,19 +252,24 @@ class TTTObjective(nn.Module):
 
     def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
                  compile: bool = False, off_vocab: str = "drop", labels: str = "soft",
-                 dpace_alpha: float | None = None, loss: str = "kl"):
+                 dpace_alpha: float | None = None, loss: str = "kl", rejection_boost: float = 0.0):
         """Each step's loss sum is divided by every position of the batch (padding and prompt included).
         off_vocab: where the target's argmax is outside the draft vocabulary, "drop" the position from the
         loss, or "keep" it (the target's distribution over the draft vocab). labels: "soft" (the target's
         distribution) or "hard" (its argmax). dpace_alpha: weigh each position's steps by `dpace_weights`
         (each start position a chain of ttt_length steps) in place of decay ** s. loss: "kl", or an LK
-        loss (`lk_losses`: lk_hybrid, lk_alpha), with soft labels and the decay weights."""
+        loss (`lk_losses`: lk_hybrid, lk_alpha), with soft labels and the decay weights. rejection_boost:
+        each row where this batch's chain decode would be rejected (`round_rejections`, from the current
+        head's own steps) weighs 1 + rejection_boost (0: off), the rest 1."""
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
         self.keep_off_vocab = off_vocab == "keep"
         self.hard, self.dpace_alpha, self.loss = labels == "hard", dpace_alpha, loss
         if loss != "kl" and (self.hard or dpace_alpha is not None):
             raise ValueError(f"model.loss: {loss} needs labels: soft and position_weight: decay")
+        if rejection_boost and dpace_alpha is not None:
+            raise ValueError("model.rejection_boost: with position_weight: decay (D-PACE weighs rows itself)")
+        self.boost = rejection_boost
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self.step_loss = step_loss
         if compile:
@@ -267,33 +305,46 @@ class TTTObjective(nn.Module):
             weight = (torch.ones_like(tgt_am, dtype=logits.dtype) if self.keep_off_vocab
                       else self.head.t2d[tgt_am].to(logits.dtype))
             if self.loss != "kl":
-                loss = lk_losses(self.loss, logits, target_p[rows], weight).sum() / positions
-            elif self.hard or self.dpace_alpha is not None:
-                elem, conf = position_losses(logits, target_p[rows], weight, self.hard)
-                loss = elem.sum() / positions
-                parts.append((sel, elem, conf))
+                elem, conf = lk_losses(self.loss, logits, target_p[rows], weight), None
+            elif self.hard or self.dpace_alpha is not None or self.boost:
+                elem, conf = position_losses(logits, target_p[rows], weight, self.hard, self.dpace_alpha is not None)
             else:
-                loss = self.step_loss(logits, target_p[rows], weight, positions)
-            if self.dpace_alpha is None:
+                elem = conf = None
+            loss = self.step_loss(logits, target_p[rows], weight, positions) if elem is None else elem.sum() / positions
+            with torch.no_grad():
+                right = step_correct(logits, self.head.d2t, tgt_am)
+                correct.append(right.sum())
+                counted.append(torch.tensor(float(len(sel)), device=sel.device))
+            parts.append((sel, elem, conf, right))
+            if self.dpace_alpha is None and not self.boost:
                 total = total + self.weights[s] * loss
             losses.append(loss.detach())
-            with torch.no_grad():
-                correct.append(step_correct(logits, self.head.d2t, tgt_am).sum())
-                counted.append(torch.tensor(float(len(sel)), device=sel.device))
         if self.dpace_alpha is not None:
             total = total + self._dpace_total(parts, positions)
+        elif self.boost:
+            total = total + self._rejection_total(parts, loss_mask)
         return {"loss": total, "step_loss": torch.stack(losses), "step_correct": torch.stack(correct).float(),
                 "step_count": torch.stack(counted).float()}
+
+    def _rejection_total(self, parts: list, loss_mask: torch.Tensor) -> torch.Tensor:
+        """sum over steps s of decay ** s * sum_rows (1 + boost * rejected[row, s]) * loss / positions."""
+        b, t = loss_mask.shape
+        right = torch.zeros(b * t, len(parts), dtype=torch.bool, device=loss_mask.device)
+        for s, (sel, _, _, r) in enumerate(parts):
+            right[sel, s] = r
+        rejected = round_rejections(right.view(b, t, -1), loss_mask).view(b * t, -1)
+        return sum(self.weights[s] * ((1 + self.boost * rejected[sel, s].to(elem.dtype)) * elem).sum()
+                   for s, (sel, elem, _, _) in enumerate(parts)) / loss_mask.numel()
 
     def _dpace_total(self, parts: list, positions: int) -> torch.Tensor:
         """sum over steps s of sum_rows w[row, s] * loss / positions, where each start position (flat row)
         is a chain over the steps and w its `dpace_weights` (zero where a step does not count)."""
         conf = parts[0][2].new_zeros((positions, len(parts)))
         valid = torch.zeros(conf.shape, dtype=torch.bool, device=conf.device)
-        for s, (sel, _, c) in enumerate(parts):
+        for s, (sel, _, c, _) in enumerate(parts):
             conf[sel, s], valid[sel, s] = c.to(conf.dtype), True
         w = dpace_weights(conf, valid, self.dpace_alpha)
-        return sum((w[sel, s].to(elem.dtype) * elem).sum() / positions for s, (sel, elem, _) in enumerate(parts))
+        return sum((w[sel, s].to(elem.dtype) * elem).sum() / positions for s, (sel, elem, _, _) in enumerate(parts))
 
 
 def _add_head_prefix(state: dict, prefix: str, *_args) -> None:
