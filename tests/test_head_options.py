@@ -143,3 +143,21 @@ def test_options_config_errors():
         Model(freeze_lm_head=True)
     assert Model(norm_output=True).head_options == {"norm_before_fc": False, "fc_norm": False,
                                                     "norm_before_residual": False, "norm_output": True}
+
+
+def test_init_std_draws_every_linear_weight(target):
+    """model.init_std: a fresh head's linear weights ~ N(0, std^2) (speculators' start), not PyTorch's default."""
+    from trainer.config import Model
+    from trainer.warm_start import run_head_config, starting_head
+
+    emb = target.get_input_embeddings().weight.detach()
+    d2t, t2d = torch.zeros(16, dtype=torch.long), torch.zeros(emb.shape[0], dtype=torch.bool)
+    t2d[:16] = True
+    stds = {}
+    for std in (None, 0.02):
+        m = Model(init_std=std)
+        head = starting_head(m, run_head_config(m, target.config, 16, emb), d2t, t2d,
+                             target.lm_head.weight.detach(), target.config.num_hidden_layers)
+        stds[std] = {n: float(p.std()) for n, p in head.named_parameters() if p.dim() == 2 and "embed" not in n}
+    assert all(abs(v - 0.02) < 0.003 for v in stds[0.02].values()), stds[0.02]
+    assert stds[None]["fc.weight"] != pytest.approx(0.02, abs=0.003)

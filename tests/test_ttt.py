@@ -347,6 +347,25 @@ def test_rejection_boost_weighs_the_rejected_rows():
     assert abs(got - (base + 2.0 * extra)) < 1e-9 and extra > 1e-3
 
 
+def test_loss_norm_tokens_is_each_steps_mean():
+    """model.loss_norm: tokens divides each step's row sum by the rows it counts (speculators' mean), not by
+    every position: the loss is sum_s decay ** s x the mean of step s's terms."""
+    head = tiny_head()
+    torch.manual_seed(6)
+    b, t, steps = 2, 10, 3
+    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
+    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
+    p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+    terms = {}
+    naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8, "keep", terms_out=terms)
+    want = sum(0.8 ** s * sum(v[0] for k, v in terms.items() if k[2] == s) / sum(1 for k in terms if k[2] == s)
+               for s in range(steps))
+    got = TTTObjective(head, steps, 0.8, off_vocab="keep", loss_norm="tokens")(
+        aux, emb, *compact_targets(tlogits, mask, head.t2d), mask)["loss"].item()
+    assert abs(got - want) < 1e-9
+
+
 def test_target_rows_cover_exactly_what_steps_read():
     mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0]])
     need, row = target_rows(mask)

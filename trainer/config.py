@@ -81,6 +81,11 @@ class Model(StrictModel):
         None, description="step or slot weights, fixed decay or D-PACE; null: decay (eagle3), dpace (dflash)")
     loss: Literal["kl", "lk_hybrid", "lk_alpha"] = Field(
         "kl", description="kl; lk_hybrid / lk_alpha: the LK losses, which target acceptance (soft labels, decay)")
+    init_std: float | None = Field(
+        None, gt=0, description="a fresh head's linear weights drawn from N(0, init_std^2); null: PyTorch's default")
+    loss_norm: Literal["positions", "tokens"] = Field(
+        "positions", description="eagle3: a step's loss sum over every position of the batch, or over the rows "
+                                 "it counts")
     rejection_boost: float = Field(
         0.0, ge=0, description="eagle3: rows where the head's chain decode of the row would be rejected weigh "
                                "1 + this (0: off)")
@@ -125,6 +130,8 @@ class Model(StrictModel):
             raise ValueError("freeze_lm_head: a random lm_head would stay random (set lm_head_init: target)")
         if self.loss != "kl" and (self.labels != "soft" or self.position_weight != "decay"):
             raise ValueError(f"loss: {self.loss} needs labels: soft and position_weight: decay")
+        if self.loss_norm == "tokens" and (self.kind != "eagle3" or self.position_weight != "decay"):
+            raise ValueError("loss_norm: tokens is for an eagle3 head with position_weight: decay")
         if self.rejection_boost and (self.kind != "eagle3" or self.position_weight != "decay"):
             raise ValueError("rejection_boost: an eagle3 head with position_weight: decay")
         if self.kind == "eagle3" and self.block_causal:

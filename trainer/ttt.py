@@ -252,7 +252,8 @@ class TTTObjective(nn.Module):
 
     def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
                  compile: bool = False, off_vocab: str = "drop", labels: str = "soft",
-                 dpace_alpha: float | None = None, loss: str = "kl", rejection_boost: float = 0.0):
+                 dpace_alpha: float | None = None, loss: str = "kl", rejection_boost: float = 0.0,
+                 loss_norm: str = "positions"):
         """Each step's loss sum is divided by every position of the batch (padding and prompt included).
         off_vocab: where the target's argmax is outside the draft vocabulary, "drop" the position from the
         loss, or "keep" it (the target's distribution over the draft vocab). labels: "soft" (the target's
@@ -260,7 +261,9 @@ class TTTObjective(nn.Module):
         (each start position a chain of ttt_length steps) in place of decay ** s. loss: "kl", or an LK
         loss (`lk_losses`: lk_hybrid, lk_alpha), with soft labels and the decay weights. rejection_boost:
         each row where this batch's chain decode would be rejected (`round_rejections`, from the current
-        head's own steps) weighs 1 + rejection_boost (0: off), the rest 1."""
+        head's own steps) weighs 1 + rejection_boost (0: off), the rest 1. loss_norm: each step's row sum is
+        divided by every position of the batch ("positions"), or by the rows the step counts ("tokens":
+        speculators' mean; with the decay weights)."""
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
         self.keep_off_vocab = off_vocab == "keep"
@@ -269,7 +272,9 @@ class TTTObjective(nn.Module):
             raise ValueError(f"model.loss: {loss} needs labels: soft and position_weight: decay")
         if rejection_boost and dpace_alpha is not None:
             raise ValueError("model.rejection_boost: with position_weight: decay (D-PACE weighs rows itself)")
-        self.boost = rejection_boost
+        if loss_norm == "tokens" and dpace_alpha is not None:
+            raise ValueError("model.loss_norm: tokens with position_weight: decay")
+        self.boost, self.per_token = rejection_boost, loss_norm == "tokens"
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self.step_loss = step_loss
         if compile:
@@ -310,12 +315,13 @@ class TTTObjective(nn.Module):
                 elem, conf = position_losses(logits, target_p[rows], weight, self.hard, self.dpace_alpha is not None)
             else:
                 elem = conf = None
-            loss = self.step_loss(logits, target_p[rows], weight, positions) if elem is None else elem.sum() / positions
+            norm = max(1, len(sel)) if self.per_token else positions
+            loss = self.step_loss(logits, target_p[rows], weight, norm) if elem is None else elem.sum() / norm
             with torch.no_grad():
                 right = step_correct(logits, self.head.d2t, tgt_am)
                 correct.append(right.sum())
                 counted.append(torch.tensor(float(len(sel)), device=sel.device))
-            parts.append((sel, elem, conf, right))
+            parts.append((sel, elem, conf, right, norm))
             if self.dpace_alpha is None and not self.boost:
                 total = total + self.weights[s] * loss
             losses.append(loss.detach())
@@ -327,24 +333,24 @@ class TTTObjective(nn.Module):
                 "step_count": torch.stack(counted).float()}
 
     def _rejection_total(self, parts: list, loss_mask: torch.Tensor) -> torch.Tensor:
-        """sum over steps s of decay ** s * sum_rows (1 + boost * rejected[row, s]) * loss / positions."""
+        """sum over steps s of decay ** s * sum_rows (1 + boost * rejected[row, s]) * loss / the step's norm."""
         b, t = loss_mask.shape
         right = torch.zeros(b * t, len(parts), dtype=torch.bool, device=loss_mask.device)
-        for s, (sel, _, _, r) in enumerate(parts):
+        for s, (sel, _, _, r, _) in enumerate(parts):
             right[sel, s] = r
         rejected = round_rejections(right.view(b, t, -1), loss_mask).view(b * t, -1)
-        return sum(self.weights[s] * ((1 + self.boost * rejected[sel, s].to(elem.dtype)) * elem).sum()
-                   for s, (sel, elem, _, _) in enumerate(parts)) / loss_mask.numel()
+        return sum(self.weights[s] * ((1 + self.boost * rejected[sel, s].to(elem.dtype)) * elem).sum() / norm
+                   for s, (sel, elem, _, _, norm) in enumerate(parts))
 
     def _dpace_total(self, parts: list, positions: int) -> torch.Tensor:
         """sum over steps s of sum_rows w[row, s] * loss / positions, where each start position (flat row)
         is a chain over the steps and w its `dpace_weights` (zero where a step does not count)."""
         conf = parts[0][2].new_zeros((positions, len(parts)))
         valid = torch.zeros(conf.shape, dtype=torch.bool, device=conf.device)
-        for s, (sel, _, c, _) in enumerate(parts):
+        for s, (sel, _, c, _, _) in enumerate(parts):
             conf[sel, s], valid[sel, s] = c.to(conf.dtype), True
         w = dpace_weights(conf, valid, self.dpace_alpha)
-        return sum((w[sel, s].to(elem.dtype) * elem).sum() / positions for s, (sel, elem, _, _) in enumerate(parts))
+        return sum((w[sel, s].to(elem.dtype) * elem).sum() / positions for s, (sel, elem, _, _, _) in enumerate(parts))
 
 
 def _add_head_prefix(state: dict, prefix: str, *_args) -> None:

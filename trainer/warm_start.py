@@ -166,6 +166,10 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
     `target` is then the target's folder), its fc passing the high aux state (`fc_init: high`), or another
     head's weights (`init_from`, of the same kind); lm_head frozen on request."""
     head = build_head(hcfg)
+    if model.init_std is not None:  # Hugging Face's initializer_range rule, as speculators starts its heads
+        for mod in head.modules():
+            if isinstance(mod, torch.nn.Linear):
+                torch.nn.init.normal_(mod.weight, std=model.init_std)
     if model.layers_init == "target":
         from trainer.target_parts import load_target_layers
         layers, final_norm = load_target_layers(target, list(range(num_layers - hcfg.num_layers, num_layers)))
