@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -46,14 +47,15 @@ ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR = ROOT / ".peers"
 
 
-def peak_rss_run(cmd: list[str], log: Path, cwd: Path = ROOT) -> tuple[int, float, float]:
-    """Run cmd (output to log) -> (exit code, wall seconds, peak RSS of its process tree in MB)."""
+def peak_rss_run(cmd: list[str], log: Path, cwd: Path = ROOT, env: dict | None = None) -> tuple[int, float, float]:
+    """Run cmd (output to log, `env` added to ours) -> (exit code, wall seconds, peak RSS of its process tree
+    in MB)."""
     import psutil
 
     peak = [0]
     with log.open("w") as f:
         t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})})
         done = threading.Event()
 
         def sample():
@@ -103,7 +105,7 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
     base.append(f'export_formats=["{fmt}"]')
     cfg = load_config(TrainConfig, args.ours_config, base + overrides)
     cmd = [sys.executable, "-m", "trainer", str(args.ours_config), *base, *overrides]
-    rc, secs, rss = peak_rss_run(cmd, out / f"{name}.log")
+    rc, secs, rss = peak_rss_run(cmd, out / f"{name}.log", env=args.ray_env)
     head = run_dir / f"head_{fmt}"
     entry = {"kind": "eagleray" if kind == "eagle3" else f"eagleray_{kind}", "overrides": overrides,
              "train_s": round(secs, 1), "peak_rss_mb": round(rss),
@@ -125,6 +127,26 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
         entry["loop_s"] = report.get("train_loop_s") or report.get("wall_s")
         entry |= {"fit_s": report.get("wall_s"), "epoch_s": report.get("epoch_train_s"), "steps": report.get("steps")}
     return entry
+
+
+def train_all_ours(args) -> dict[str, dict]:
+    """Our default run (unless --no-default) and each --ours run; with --warm-ray inside one local Ray."""
+    from contextlib import nullcontext
+
+    from infer.cluster.local import LocalCluster
+
+    args.ray_env = None
+    cluster = LocalCluster(workers=0, head_cpus=os.cpu_count() or 2) if args.warm_ray else nullcontext()
+    with cluster as warm:  # LocalCluster starts on entry
+        if warm is not None:
+            args.ray_env = {"RAY_ADDRESS": warm.address}
+        entries = {} if args.no_default else {"eagleray": train_ours("eagleray", args, [], args.out)}
+        for spec in args.ours:
+            name, _, kv = spec.partition(":")
+            entries[name] = train_ours(name, args, split_overrides(kv), args.out)
+    for e in entries.values():
+        e["warm_ray"] = args.warm_ray
+    return entries
 
 
 def tokens_per_step(ours: dict, capture: Path, n_val: int, epochs: int) -> int:
@@ -314,6 +336,9 @@ def parse(argv) -> argparse.Namespace:
                     "default: each trainer's own (ours 0, speculators 42)")
     ap.add_argument("--no-default", action="store_true",
                     help="skip the run of our default recipe (ablations of --ours runs; only with --peers '')")
+    ap.add_argument("--warm-ray", action="store_true",
+                    help="our runs join one local Ray started before them (as on a running cluster), not each its "
+                         "own; stopped before the peers train")
     ap.add_argument("--judge", action="append", default=[], metavar="NAME=HEAD_DIR",
                     help="judge these exported heads only (repeatable), e.g. an earlier run's on other prompts: "
                          "no training")
@@ -336,10 +361,7 @@ def main(argv=None) -> dict:
         return result
     if args.no_default and args.peers:
         raise SystemExit("--no-default: only with --peers '' (the peers' budgets follow our default run)")
-    entries: dict[str, dict] = {} if args.no_default else {"eagleray": train_ours("eagleray", args, [], args.out)}
-    for spec in args.ours:
-        name, _, kv = spec.partition(":")
-        entries[name] = train_ours(name, args, split_overrides(kv), args.out)
+    entries = train_all_ours(args)
     peers = [p for p in args.peers.split(",") if p]
     if {"speculators", "specforge"} & set(peers):  # one neutral copy of the rows, read by both peers
         prep = speculators_prep.write(args.capture, args.target, args.out / "speculators_data", ours_cfg.data.val_rows)
