@@ -141,6 +141,13 @@ def test_options_config_errors():
         Model(norm_before_fc=True, fc_norm=True)
     with pytest.raises(ValueError, match="freeze_lm_head"):
         Model(freeze_lm_head=True)
+    with pytest.raises(ValueError, match="loss: lk_hybrid needs labels: soft"):
+        Model(kind="dflash", loss="lk_hybrid")  # DFlash's defaults are hard labels with D-PACE
+    assert Model(kind="dflash", loss="lk_alpha", labels="soft", position_weight="decay").loss == "lk_alpha"
+    with pytest.raises(ValueError, match="rejection_boost: an eagle3 head"):
+        Model(kind="dflash", rejection_boost=1.0, labels="soft", position_weight="decay")
+    with pytest.raises(ValueError, match="loss_norm: tokens"):
+        Model(position_weight="dpace", loss_norm="tokens")
     assert Model(norm_output=True).head_options == {"norm_before_fc": False, "fc_norm": False,
                                                     "norm_before_residual": False, "norm_output": True}
 
