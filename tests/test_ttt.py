@@ -121,6 +121,15 @@ def tiny_head(vocab=40, draft=24):
     return head
 
 
+def random_batch(head, b: int, t: int, seed: int):
+    """fp64 aux states, embeddings and target logits for `head` (tiny_head's sizes), with the target's
+    draft-vocab distribution and argmax."""
+    torch.manual_seed(seed)
+    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
+    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
+    return aux, emb, tlogits, torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
+
+
 def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay, off_vocab="drop", hard=False,
                    dpace=None, terms_out=None):
     """Position by position, step by step: each query's keys listed explicitly. dpace: each start position's
@@ -214,11 +223,8 @@ def test_loss_switches_equal_naive_loop(off_vocab, labels, dpace):
     """model.off_vocab / labels / position_weight: dpace against the position-by-position loss (counted
     and dropped positions, a gap in the loss mask); each changes the loss."""
     head = tiny_head()
-    torch.manual_seed(2)
     b, t, steps = 2, 10, 3
-    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
-    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
-    p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
+    aux, emb, tlogits, p, am = random_batch(head, b, t, 2)
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1, 0, 0, 0]])
     assert not head.t2d[am[mask.bool()]].all()  # some counted targets lie outside the draft vocab
     targets = compact_targets(tlogits, mask, head.t2d)
@@ -327,11 +333,8 @@ def test_rejection_boost_weighs_the_rejected_rows():
     """model.rejection_boost b: the loss is the decay-weighted loss plus b x each rejected row's term (found
     from the naive loop's own draft argmaxes) x decay ** s / positions."""
     head = tiny_head()
-    torch.manual_seed(5)
     b, t, steps, decay = 2, 12, 3, 0.8
-    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
-    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
-    p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
+    aux, emb, tlogits, p, am = random_batch(head, b, t, 5)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1]])
     targets = compact_targets(tlogits, mask, head.t2d)
     terms = {}
@@ -351,11 +354,8 @@ def test_loss_norm_tokens_is_each_steps_mean():
     """model.loss_norm: tokens divides each step's row sum by the rows it counts (speculators' mean), not by
     every position: the loss is sum_s decay ** s x the mean of step s's terms."""
     head = tiny_head()
-    torch.manual_seed(6)
     b, t, steps = 2, 10, 3
-    aux, emb = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, 32, dtype=torch.float64)
-    tlogits = torch.randn(b, t, 40, dtype=torch.float64) * 3
-    p, am = torch.softmax(tlogits[..., head.t2d], -1), tlogits.argmax(-1)
+    aux, emb, tlogits, p, am = random_batch(head, b, t, 6)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
     terms = {}
     naive_ttt_loss(head, aux, emb, p, am, mask, steps, 0.8, "keep", terms_out=terms)
