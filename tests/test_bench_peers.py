@@ -80,7 +80,8 @@ def test_shards_to_speculators_layout(tmp_path, pipeline_run, tiny_target):
     # --prompts held-out: each held-out row's ids up to its first loss token (the prompt the target saw)
     held_rows = list(speculators_prep.training_rows(capture, 5, held_out=True))
     firsts = [r["loss_mask"].index(1) for r in held_rows]
-    assert bench_peers.held_out_prompts(capture, 5) == [r["input_ids"][:f] for r, f in zip(held_rows, firsts)]
+    from tools.bench.peer_judging import held_out_prompts
+    assert held_out_prompts(capture, 5) == [r["input_ids"][:f] for r, f in zip(held_rows, firsts)]
     assert all(f > 0 for f in firsts)
     # SpecForge: a row a step, accumulated to our rows per step; aligned to our TTT, decay and lr
     from tools.bench.peer_envs import specforge_bench
@@ -174,7 +175,7 @@ def test_prompt_sets_split_by_source(tmp_path):
     """--tune-prompts / --report-prompts: named sources interleave (the first n hold each), and two sets that
     share a source or a prompt's text are refused."""
     from infer.benchmarks import disjoint_sets, prompt_set, source_prompts
-    from tools.bench import peers as bench_peers
+    from tools.bench.peer_judging import versus_peers
 
     mt, gsm, ceval = (source_prompts(s) for s in ("mt_bench", "gsm8k", "ceval"))
     assert (len(mt), len(gsm), len(ceval)) == (80, 1319, 371)
@@ -192,5 +193,5 @@ def test_prompt_sets_split_by_source(tmp_path):
               "spec": {"vllm_tau_k3": 2.0, "vllm_tau_k7": 2.5, "accept_by_pos_k3": [0.5, 0.3]},
               "ours_lk": {"vllm_tau_k3": 9.0}}
     kinds = {"eagleray": "eagleray", "spec": "speculators", "ours_lk": "eagleray"}
-    assert bench_peers.versus_peers(kinds, scores) == {
+    assert versus_peers(kinds, scores) == {
         "eagleray_vs_best_peer": 1.1, "eagleray_vs_best_peer_k7": 0.96, "eagleray_vs_best_peer_pos1": 1.2}
