@@ -107,7 +107,12 @@ LK_DECAY = 3.0  # lk_hybrid's lambda = exp(-LK_DECAY * alpha): the LK paper's be
 def acceptance_rate(draft_logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
     """Per row: sum_v min(p_v, q_v), q = softmax(draft logits): the chance that speculative sampling accepts
     a token drawn from q against p (1 - their total variation distance), over the draft vocabulary."""
-    return torch.minimum(torch.softmax(_wide(draft_logits), dim=-1), _wide(target_p)).sum(-1)
+    return overlap(torch.softmax(_wide(draft_logits), dim=-1), _wide(target_p))
+
+
+def overlap(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """sum_v min(q_v, p_v) per row."""
+    return torch.minimum(q, p).sum(-1)
 
 
 def lk_losses(kind: str, draft_logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -118,7 +123,7 @@ def lk_losses(kind: str, draft_logits: torch.Tensor, target_p: torch.Tensor, wei
     Rows are summed and divided as the KL loss's (`step_loss`)."""
     logp = torch.log_softmax(_wide(draft_logits), dim=-1)
     p = _wide(target_p)
-    alpha = torch.minimum(logp.exp(), p).sum(-1)
+    alpha = overlap(logp.exp(), p)  # acceptance_rate, from the log-softmax this loss needs anyway
     if kind == "lk_alpha":
         return weight * -torch.log(alpha.clamp(min=1e-5))
     if kind != "lk_hybrid":
