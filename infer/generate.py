@@ -10,6 +10,7 @@ path, and let the draft ingest the committed positions' aux states from that sam
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -75,6 +76,7 @@ class SpecStats:
     rounds: int = 0                 # target verify forwards after prefill
     new_tokens: int = 0             # generated tokens (the prefill's first token included)
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per drafting round
+    round_starts: list[int] = field(default_factory=list)  # output index of each drafting round's first token
     depth: int = 0
     seconds: float = 0.0
     eos_in_tree: bool = False       # EOS came from an accepted draft node, not the bonus
@@ -156,6 +158,18 @@ def draft_runner(head, embed: torch.Tensor, cpu_path: str = "auto"):
     return DraftRunner(head, embed, cpu_path)
 
 
+def load_head(head_dir: str | Path, n_layers: int):
+    """An exported head folder -> (the head module with its vocabulary, its aux layer ids or None)."""
+    from trainer.export import import_head
+    from trainer.kinds import build_head
+
+    state, hcfg, aux = import_head(Path(head_dir), n_layers)
+    head = build_head(hcfg)
+    head.load_state_dict(state, strict=False)
+    head.set_vocab(state["d2t"], state["t2d"])
+    return head, aux
+
+
 class EagleGenerator:
     def __init__(self, target, tokenizer, head, aux_layer_ids: list[int], cpu_path: str = "auto",
                  exact_verify: bool = True):
@@ -187,19 +201,26 @@ class EagleGenerator:
         from transformers import AutoTokenizer
 
         from pipeline.target import load_model
-        from trainer.export import import_head
-        from trainer.kinds import build_head
 
         target, _ = load_model(target_dir, dtype, device.startswith("cuda"))
         tok = AutoTokenizer.from_pretrained(target_dir)
         n_layers = num_layers(target.config)
-        head, aux = None, None
-        if head_dir is not None:
-            state, hcfg, aux = import_head(Path(head_dir), n_layers)
-            head = build_head(hcfg)
-            head.load_state_dict(state, strict=False)
-            head.set_vocab(state["d2t"], state["t2d"])
+        head, aux = load_head(head_dir, n_layers) if head_dir is not None else (None, None)
         return cls(target, tok, head, aux or default_aux_layers(n_layers), cpu_path, exact_verify)
+
+    def with_head(self, head_dir: str | Path) -> "EagleGenerator":
+        """A generator over this one's target (model, runner, tokenizer shared) drafting with another head
+        (a hot swap, infer/head_swap.py). The head must read the aux layers this runner taps."""
+        head, aux = load_head(head_dir, num_layers(self.target.model.config))
+        if aux is not None and list(aux) != self.target.aux_layer_ids:
+            raise ValueError(f"head: {head_dir} reads aux layers {list(aux)}, the running target taps "
+                             f"{self.target.aux_layer_ids}; redeploy to serve it")
+        new = copy.copy(self)
+        embed = self.target.model.get_input_embeddings().weight.detach()
+        new.draft = draft_runner(head.to(embed.device, embed.dtype), embed, self.cpu_path)
+        new.path_line = cpu.log_paths(self.target.path, getattr(new.draft, "path", None))
+        new.costs = None
+        return new
 
     def _pick(self, logits: torch.Tensor, s: SpecSettings, gen: torch.Generator | None) -> int:
         if s.temperature <= 0:
@@ -289,6 +310,7 @@ class EagleGenerator:
                                                      gate)
                 stats.add_split("draft", catch_up)
                 before = len(out)
+                stats.round_starts.append(before)
                 out, reason = self._finish(out + new, s)
                 lps = (lps + lp)[: len(out)]
                 stats.eos_in_tree |= reason == "eos" and len(out) - before < len(new)

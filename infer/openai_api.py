@@ -259,7 +259,8 @@ def summed_usage(usages: list[dict]) -> dict:
     rounds = sum(u["verify_rounds"] for u in usages)
     tau = sum(u["tau"] * u["verify_rounds"] for u in usages) / rounds if rounds else usages[0]["tau"]
     return {"prompt_tokens": usages[0]["prompt_tokens"], "completion_tokens": completion,
-            "total_tokens": usages[0]["prompt_tokens"] + completion, "tau": round(tau, 4), "verify_rounds": rounds}
+            "total_tokens": usages[0]["prompt_tokens"] + completion, "tau": round(tau, 4), "verify_rounds": rounds,
+            **({"head_version": usages[0]["head_version"]} if "head_version" in usages[0] else {})}
 
 
 def sse_chunk(rid: str, created: int, model: str, chat: bool, delta, finish: str | None, usage=None,

@@ -28,6 +28,9 @@ from infer.openai_api import (SSE_DONE, ChatRequest, CompletionRequest, RequestE
                               logprobs_body, logprobs_k, make_api, refusal, response_body, sse_chunk, summed_usage,
                               visible_text)
 from infer.serve_metrics import CONTENT_TYPE, ServeMetrics, scrape
+from infer.traffic_log import TrafficLog, TrafficLogConfig
+from pipeline.served import served_row
+from trainer.export import head_version
 from pipeline.cluster import ensure_ray
 from pipeline.config import VllmEngine
 from pipeline import storage
@@ -77,9 +80,12 @@ class ServeConfig(StrictModel):
     speculative: TreeShape = TreeShape()
     vllm: VllmServe = VllmServe()
     ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
+    traffic_log: TrafficLogConfig = TrafficLogConfig()
 
     @model_validator(mode="after")
     def _dtype_of_backend(self):
+        if self.backend == "vllm" and self.traffic_log.path is not None:
+            raise ValueError("traffic_log: the eagleray backend's; the vllm backend logs no traffic")
         if self.backend == "vllm" and self.dtype != "auto":
             raise ValueError("dtype applies to the eagleray backend; the vllm backend reads vllm.dtype")
         if self.backend == "vllm" and self.speculative.cpu_path != "auto":
@@ -126,13 +132,14 @@ def _load_generator(cfg: ServeConfig):
         torch.set_num_threads(cfg.threads_per_replica)
     device = "cuda" if cfg.num_gpus_per_replica > 0 else "cpu"
     head = storage.Mirror.folder(cfg.head, "serve") if cfg.head else None  # each replica, on its node
+    version = head_version(head) if head else ""
     gen = EagleGenerator.from_folders(cfg.target, head, dtype=torch_dtype(cfg.dtype, device), device=device,
                                       cpu_path=cfg.speculative.cpu_path)
     logging.getLogger("ray.serve").info(gen.path_line)  # the replica's log: which CPU path it runs, and why
     spec = cfg.speculative
     if spec.sizing == "adaptive" and gen.draft is not None:  # measured here, not on the first request
         gen.round_costs(1 if spec.mode == "chain" else spec.top_k)
-    return gen
+    return gen, version
 
 
 api = make_api()
@@ -150,7 +157,8 @@ class EagleServer:
         # All torch work of the replica runs on this one thread, loading included: CPU torch ops run
         # from a second thread after the first has used the OpenMP pool measured 2-3x slower here.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="eagleray-decode")
-        self.gen = self.pool.submit(_load_generator, self.cfg).result()
+        self.gen, self.head_version = self.pool.submit(_load_generator, self.cfg).result()
+        self.traffic = TrafficLog(cfg.traffic_log) if cfg.traffic_log.path is not None else None
         self.context = getattr(self.gen.target.model.config, "max_position_embeddings", 2048)
         self.lock = asyncio.Lock()  # batch 1: one decode at a time per replica
 
@@ -173,9 +181,15 @@ class EagleServer:
         return SpecSettings(**self.cfg.speculative.model_dump(), max_new_tokens=n, temperature=req.temperature,
                             top_p=req.top_p, seed=req.seed, stop=req.stop_list(), logprobs=logprobs_k(req))
 
-    async def _run(self, ids, settings, request: Request | None, on_round=None, cancel: asyncio.Event | None = None):
+    def __del__(self):  # Serve's replica shutdown: what the log holds is written
+        if getattr(self, "traffic", None) is not None:
+            self.traffic.close()
+
+    async def _run(self, ids, settings, request: Request | None, on_round=None, cancel: asyncio.Event | None = None,
+                   meta: dict | None = None):
         """Decode round by round in the replica's torch thread; stop on disconnect, cancel or deadline.
-        Returns (last snapshot, "done" | "disconnected" | "timeout")."""
+        Returns (last snapshot, "done" | "disconnected" | "timeout"). meta ({request_id, route, messages}):
+        the request as the traffic log stores it."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         async with self.lock:
             it = self.gen.stream(ids, settings)
@@ -201,11 +215,24 @@ class EagleServer:
                     began = deadline - self.cfg.request_timeout_s  # so the lock's wait counts too
                     self.metrics.record_generation(last.stats, len(ids), len(last.tokens),
                                                    time.monotonic() - began)
+                    if self.traffic is not None and meta is not None:
+                        self.traffic.record(self._served(meta, ids, settings, last, time.time() - (
+                            time.monotonic() - began)))
 
     def _usage(self, ids, g) -> dict:
         return {"prompt_tokens": len(ids), "completion_tokens": len(g.tokens),
                 "total_tokens": len(ids) + len(g.tokens), "tau": round(g.stats.tau, 4),
-                "verify_rounds": g.stats.rounds}
+                "verify_rounds": g.stats.rounds, "head_version": self.head_version}
+
+    def _served(self, meta: dict, ids, settings: SpecSettings, g, started_at: float) -> dict:
+        """A finished (or cut short) decode as a traffic log row."""
+        st = g.stats
+        return served_row(request_id=meta["request_id"], model=self.cfg.model_name, route=meta["route"],
+                          messages=meta["messages"], prompt_tokens=len(ids), output_ids=g.tokens,
+                          output_text=self._text(g.tokens), finish_reason=g.finish_reason or "length",
+                          temperature=settings.temperature, depth=st.depth, accepted=st.accepted,
+                          round_starts=st.round_starts, tau=st.tau, head_version=self.head_version,
+                          started_at=started_at, finished_at=time.time())
 
     def _text(self, tokens) -> str:
         return self.gen.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -230,12 +257,17 @@ class EagleServer:
     async def _respond(self, req: Sampling, ids: list[int], request: Request, chat: bool):
         settings = self._settings(req, len(ids))
         head = (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), req.model, chat)
+        meta = {"request_id": head[0], "route": "chat" if chat else "completion",
+                "messages": [m.model_dump(exclude={"name"}) for m in req.messages] if chat
+                else [{"role": "user", "content": req.prompt}]}
         if req.stream:
-            return StreamingResponse(self._events(head, ids, settings, request), media_type="text/event-stream")
+            return StreamingResponse(self._events(head, ids, settings, request, meta),
+                                     media_type="text/event-stream")
         choices, usages = [], []
         for i in range(req.n):  # n independent samples, each its own seed when the request gives one
             one = settings if req.seed is None else settings.model_copy(update={"seed": req.seed + i})
-            g, why = await self._run(ids, one, None)
+            g, why = await self._run(ids, one, None, meta=dict(meta, request_id=f"{head[0]}-{i}") if req.n > 1
+                                     else meta)
             if why == "timeout":
                 raise RequestError(504, f"request exceeded request_timeout_s={self.cfg.request_timeout_s}", None,
                                    "timeout")
@@ -245,13 +277,13 @@ class EagleServer:
             usages.append(self._usage(ids, g))
         return response_body(*head, choices, summed_usage(usages))
 
-    async def _events(self, head: tuple, ids, settings, request: Request):
+    async def _events(self, head: tuple, ids, settings, request: Request, meta: dict | None = None):
         """Server-sent events: one chunk per verify round with new text, a final chunk with usage, [DONE].
         A decode cut short (disconnect, deadline) ends with finish_reason "length"."""
         chat = head[3]
         queue: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
-        task = asyncio.create_task(self._run(ids, settings, request, queue.put, cancel))
+        task = asyncio.create_task(self._run(ids, settings, request, queue.put, cancel, meta))
         sent, mark = "", {"tokens": 0, "offset": 0}  # mark: the tokens whose logprobs were sent
         try:
             if chat:
@@ -315,7 +347,10 @@ class EagleServer:
 
     @api.get("/health")
     async def health(self):
-        return {"status": "ok", "head": storage.redact(self.cfg.head) if self.cfg.head else None}
+        return {"status": "ok", "head": storage.redact(self.cfg.head) if self.cfg.head else None,
+                "head_version": self.head_version,
+                "traffic_log": dict(self.traffic.stats(), path=storage.redact(self.cfg.traffic_log.path))
+                if self.traffic is not None else None}
 
 
 def absolute(loc):

@@ -12,8 +12,8 @@ from pipeline.yaml_config import ExistingPath, InputLocation, Location, ModelDty
 
 class Source(StrictModel):
     path: InputLocation = Field(description="a file, a glob (data/*.jsonl) or a URI")
-    format: Literal["sharegpt", "ultrachat", "qa", "prompt", "auto"] = Field(
-        "auto", description="record layout; prompt: {prompt|instruction|question}, answered by regenerate")
+    format: Literal["sharegpt", "ultrachat", "qa", "prompt", "served", "auto"] = Field(
+        "auto", description="record layout; prompt: answered by regenerate; served: the traffic log's rows")
     weight: float | None = Field(
         None, gt=0, description="share of the mix, relative to the other weights")
     max_records: int | None = Field(None, gt=0, description="or a cap on this source's records")
@@ -37,6 +37,8 @@ class Ingest(StrictModel):
         None, gt=0, description="size of the weighted mix; null: as many as the weights allow")
     max_chars: int = Field(200_000, gt=0, description="longer records are rejected as too_long")
     seed: int = Field(0, description="the mix's sampling seed")
+    held_out: float = Field(
+        0.0, ge=0, lt=1, description="served sources: the latest share of records, to held_out.jsonl, not the mix")
 
     @model_validator(mode="after")
     def _has_sources(self):
@@ -134,6 +136,8 @@ class Vocab(StrictModel):
     enabled: bool = Field(True, description="run this stage")
     draft_vocab_size: int = Field(
         32000, gt=0, description="the head's vocabulary: the most frequent answer tokens")
+    include: list[InputLocation] = Field(
+        [], description="more tokens.parquet files whose answer tokens count too (a warm start's old corpus)")
 
 
 class PipelineConfig(StrictModel):

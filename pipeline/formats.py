@@ -1,4 +1,5 @@
-"""Corpus record formats (ARCHITECTURE.md §3): ShareGPT, UltraChat / OpenAI messages, question-answer pairs.
+"""Corpus record formats (ARCHITECTURE.md §3): ShareGPT, UltraChat / OpenAI messages, question-answer pairs,
+served records (the traffic log's rows, pipeline/served.py).
 
 `normalise` turns one parsed record into `[{role, content}]` or a reject reason; `read_records` walks a
 .json (list), .jsonl or .parquet file and yields (line number, record or None, reason or None), so a broken line
@@ -10,11 +11,13 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from pipeline.served import SERVED_KEYS, served_turns
+
 ROLE_ALIASES = {
     "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
     "chatgpt": "assistant", "model": "assistant", "system": "system",
 }
-FORMATS = ("sharegpt", "ultrachat", "qa", "auto")
+FORMATS = ("sharegpt", "ultrachat", "qa", "served", "auto")
 
 
 class Reject(Exception):
@@ -28,6 +31,8 @@ class Reject(Exception):
 def detect_format(obj: Any) -> str:
     if not isinstance(obj, dict):
         raise Reject("wrong_type", f"record is {type(obj).__name__}, expected an object")
+    if all(k in obj for k in SERVED_KEYS):
+        return "served"
     if "conversations" in obj:
         return "sharegpt"
     if "messages" in obj:
@@ -61,7 +66,12 @@ def normalise(obj: Any, fmt: str = "auto", prompt_only: bool = False) -> list[di
     found = detect_format(obj)
     if fmt != "auto" and found != fmt:
         raise Reject("format_mismatch", f"looks like {found}, source declared {fmt}")
-    if found == "qa":
+    if found == "served":
+        try:
+            turns = served_turns(obj)
+        except ValueError as e:
+            raise Reject("bad_served", str(e)) from None
+    elif found == "qa":
         turns = [{"role": "user", "content": obj["question"]}, {"role": "assistant", "content": obj["answer"]}]
     elif found == "prompt":
         turns = prompt_turns(obj)

@@ -10,7 +10,9 @@ prompt, while turn k here needs turn k-1's answer within the same record.
 Each record ends as `success`, `skipped` (prompt too long for the target: kept as it was) or `errored`
 (kept as it was or dropped, per `on_error`), with a reason; all are counted, none vanish. A record with
 no answer of its own (prompt-only) that is not regenerated is dropped and counted: there is nothing to
-keep. The output is written once complete; a rerun with the same input and settings reuses it.
+keep. Served records (ingest's `served: true`, the traffic log's) hold the target's own answers already:
+they pass through unchanged and are counted as `served`. The output is written once complete; a rerun with
+the same input and settings reuses it.
 """
 from __future__ import annotations
 
@@ -247,10 +249,33 @@ def _fingerprint(cfg: Regenerate, chat: ChatTemplate, target: Path, records: Pat
     return h.hexdigest()
 
 
+def split_served(records: Path, out_dir: Path) -> tuple[Path, list[str]]:
+    """-> (the records to regenerate: `records` itself, or out_dir/to_regenerate.jsonl without the served
+    ones; the served records' lines, marked not regenerated)."""
+    keep, served = [], []
+    with open(records, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("served"):
+                served.append(json.dumps(rec | {"regenerated": False}, ensure_ascii=False) + "\n")
+            else:
+                keep.append(line)
+    if not served:
+        return records, []
+    rest = out_dir / "to_regenerate.jsonl"
+    text = "".join(keep)
+    if not rest.is_file() or rest.read_text(encoding="utf-8") != text:  # same text: the reuse fingerprint holds
+        rest.write_text(text, encoding="utf-8")
+    return rest, served
+
+
 def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
                    chat: ChatTemplate = ChatTemplate()) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
+    records, served = split_served(records, out_dir)
     stats_path, fp = out_dir / "stats.json", _fingerprint(cfg, chat, target, records)
+    if served:  # the output holds them too: other served records, another output
+        fp = hashlib.sha256((fp + "".join(served)).encode()).hexdigest()
     if stats_path.is_file() and (out_dir / "records.jsonl").is_file():
         old = json.loads(stats_path.read_text())
         if old.get("fingerprint") == fp:  # same input, same settings: the finished output stands
@@ -279,7 +304,7 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
         for line in f:
             rec = json.loads(line)
             sources[rec["id"]] = rec["source"]
-    rows = pa.concat_tables([pq.read_table(part_path(out_dir, i)) for i, _, _ in ranges]).to_pylist()
+    rows = pa.concat_tables([pq.read_table(part_path(out_dir, i)) for i, _, _ in ranges]).to_pylist() if ranges else []
     counts = {"success": 0, "skipped": 0, "errored": 0, "dropped": 0}
     reasons: dict[str, int] = {}
     tmp = out_dir / ".records.jsonl.tmp"
@@ -294,13 +319,15 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
                 continue
             f.write(json.dumps({"id": r["id"], "source": sources[r["id"]], "regenerated": r["status"] == "success",
                                 "messages": json.loads(r["messages"])}, ensure_ascii=False) + "\n")
+        for line in served:
+            f.write(line)
     tmp.replace(out_dir / "records.jsonl")
     with open(out_dir / "failures.jsonl", "w", encoding="utf-8") as f:
         for r in rows:
             if r["status"] != "success":
                 f.write(json.dumps({"id": r["id"], "status": r["status"], "reason": r["reason"],
                                     "kept": r["kept"]}, ensure_ascii=False) + "\n")
-    stats = {"records": len(rows), **counts, "reasons": reasons, "engine": cfg.engine, "on_error": cfg.on_error,
+    stats = {"records": len(rows) + len(served), **counts, "served": len(served), "reasons": reasons, "engine": cfg.engine, "on_error": cfg.on_error,
              "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "fingerprint": fp,
              "chunks": len(ranges), "chunks_reused": len(ranges) - len(todo)}
     stats_path.write_text(json.dumps(stats, indent=2))

@@ -57,6 +57,9 @@ def run_vocab(cfg: Vocab, target: Path, tokens_path, out_dir: Path) -> dict:
     """The draft vocabulary: the `cfg.draft_vocab_size` most frequent loss-masked tokens."""
     vocab_size = TargetSpec.read(target).vocab_size
     counts = masked_token_counts(tokens_path, vocab_size)
+    for i, extra in enumerate(cfg.include):  # a flywheel round: the old corpus's tokens keep their place
+        storage.check(f"vocab.include.{i}", extra, must_exist=True)
+        counts = counts + masked_token_counts(extra, vocab_size)
     size = min(cfg.draft_vocab_size, vocab_size)
     d2t, t2d = build_draft_vocab(counts, size)
     covered = int(counts[t2d.numpy()].sum())

@@ -1,4 +1,5 @@
 """The OpenAI-compatible Ray Serve endpoint, driven by the real `openai` client on 127.0.0.1."""
+import glob
 import json
 import time
 import urllib.error
@@ -19,7 +20,7 @@ AUTH = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_target, tiny_head):
+def server(ray_cluster, tiny_target, tiny_head, tmp_path_factory):
     from ray import serve
 
     from infer.serve import ServeConfig, start
@@ -29,7 +30,8 @@ def server(ray_cluster, tiny_target, tiny_head):
                       max_ongoing_requests=80,
                       # fixed: tau below is then this head's, not this machine's load (adaptive: the SIGTERM test)
                       speculative={"sizing": "fixed"},
-                      api_key=KEY)
+                      api_key=KEY, traffic_log={"path": str(tmp_path_factory.mktemp("traffic")), "flush_rows": 1,
+                                                "flush_s": 0.2})
     url = start(cfg)
     yield url
     serve.shutdown()
@@ -75,6 +77,38 @@ def test_models_health_and_greedy_chat(server, tiny_target):
     comp = c.completions.create(model=MODEL, prompt="<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
                                 max_tokens=16, temperature=0)
     assert comp.choices[0].text == greedy_text(tiny_target, [{"role": "user", "content": "Hi!"}], 16)
+
+
+def test_traffic_log_rows_are_the_answers_and_ingest_reads_them(server, tmp_path):
+    """The replica's log: one Parquet row per finished decode, its output ids the answer's tokens, the
+    head's version the usage's; ingest's `format: served` reads the files back as conversations."""
+    import pyarrow.parquet as pq
+
+    from pipeline.config import Ingest
+    from pipeline.ingest import run_ingest
+
+    msgs = [{"role": "user", "content": "Log this question, please."}]
+    r = client(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+    rows, files, deadline = [], [], time.time() + 30
+    while time.time() < deadline and not rows:
+        with urllib.request.urlopen(server + "/health", timeout=10) as h:
+            folder = json.loads(h.read())["traffic_log"]["path"]
+        files = sorted(glob.glob(f"{folder}/*.parquet"))
+        rows = [x for f in files for x in pq.read_table(f).to_pylist() if x["request_id"] == r.id]
+        time.sleep(0.3)
+    assert len(rows) == 1, files
+    row = rows[0]
+    assert json.loads(row["messages"]) == msgs and row["output_text"] == r.choices[0].message.content
+    assert len(row["output_ids"]) == r.usage.completion_tokens and row["finished_at"] >= row["started_at"]
+    assert row["head_version"] == r.usage.model_extra["head_version"] != ""
+    assert len(row["accepted"]) == len(row["round_starts"]) > 0
+    summary = run_ingest(Ingest(sources=[{"path": f"{folder}/*.parquet", "format": "served"}]), tmp_path)
+    # the module's other greedy requests ask the same question twice: duplicates, counted, not kept
+    assert set(summary["rejected_by_reason"]) <= {"duplicate"} and summary["records"] >= 1
+    recs = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    mine = [x for x in recs if x["id"] == r.id]
+    assert mine[0]["served"] is True and mine[0]["messages"][-1] == {"role": "assistant",
+                                                                    "content": r.choices[0].message.content}
 
 
 def test_stream_ends_with_done(server):

@@ -9,6 +9,13 @@ from pydantic import Field, model_validator
 from pipeline.yaml_config import ExistingPath, InputLocation, Location, StrictModel, TrainDtype
 
 
+class Replay(StrictModel):
+    """Earlier shards mixed into a run (a flywheel round's warm start), so the head keeps what it knew."""
+    shards: InputLocation | None = Field(None, description="an earlier capture folder (same target and layers)")
+    share: float = Field(0.5, ge=0, lt=1, description="the replayed rows' share of the training rows, in "
+                                                       "whole shards spread over that capture")
+
+
 class Data(StrictModel):
     source: Literal["parquet", "stream", "hybrid"] = Field(
         "parquet", description="parquet: read shards; stream: capture into training; hybrid: both, in turn")
@@ -26,9 +33,12 @@ class Data(StrictModel):
     cache_mb: int = Field(
         2048, ge=0, description="per worker: memory that replays an epoch's rows (parquet; 0: reread them)")
     seed: int = Field(0, description="the batches' order")
+    replay: Replay = Replay()
 
     @model_validator(mode="after")
     def _source_has_its_input(self):
+        if self.replay.shards is not None and self.source != "parquet":
+            raise ValueError("replay.shards: needs source: parquet")
         if self.source == "parquet" and self.shards is None:
             raise ValueError("shards: required when source is parquet (a capture folder)")
         if self.source != "parquet" and self.pipeline is None:

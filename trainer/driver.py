@@ -24,6 +24,7 @@ from trainer.config import TrainConfig
 from trainer.batching import min_batches
 from trainer.data import check_manifest
 from trainer.sources import training_data
+from trainer.warm_start import check_init_from
 from trainer.export import FORMATS, check_exportable, convert_head
 
 RUN_NAME = "train"
@@ -112,6 +113,8 @@ def run_training(cfg: TrainConfig) -> dict:
     data = training_data(cfg)
     spec = TargetSpec.read(cfg.target)
     check_manifest(data.signature, spec)
+    if cfg.model.init_from is not None:
+        check_init_from(cfg.model.init_from, data.signature, spec)
     check_exportable(data.signature["aux_layer_ids"], spec.num_layers, list(cfg.export_formats),
                      cfg.model.head_options, cfg.model.kind)
     d2t, t2d = load_draft_vocab(data.vocab_dir)

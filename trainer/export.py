@@ -158,6 +158,20 @@ def export_head(state: dict, cfg: HeadConfig, aux_layer_ids: list[int], target: 
     return out
 
 
+def head_version(folder) -> str:
+    """A head's identity: its folder's name and the first 12 hex of the sha256 of its weight files, so two
+    exports of the same weights read alike and a retrained head in the same folder does not."""
+    import hashlib
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no .safetensors weights (is this an exported head folder?)")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return f"{Path(folder).name}@{h.hexdigest()[:12]}"
+
+
 def import_head(folder: Path, num_target_layers: int | None = None) -> tuple[dict, HeadConfig, list[int] | None]:
     """Read a head in either format -> (state in SGLang naming, head config, aux ids as outputs of layers;
     None when the config relies on the default rule and num_target_layers is not given). EAGLE 3.1 options

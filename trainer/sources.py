@@ -21,7 +21,7 @@ from typing import Callable
 import pyarrow as pa
 
 from pipeline import storage
-from pipeline.shards import drop_ids, read_manifest, shard_name, shard_ranges
+from pipeline.shards import SIGNATURE_FIELDS, drop_ids, read_manifest, shard_name, shard_ranges, signature_mismatch
 from pipeline.vocab import VOCAB_FILE
 from trainer.config import TrainConfig
 from trainer.data import shard_files, val_rows
@@ -73,14 +73,36 @@ def read_shards(files: list[str]):
         del os.environ[FOOTER_READERS_ENV]
 
 
-def parquet_data(shards, n_val: int) -> TrainingData:
+def parquet_data(shards, n_val: int, replay=None) -> TrainingData:
     manifest = read_manifest(shards)
     files = shard_files(shards, manifest)
     val = val_rows(files, n_val) if n_val else storage.read_table(files[0]).slice(0, 0)
     held = val["id"].to_pylist()
     vocab_dir = storage.Mirror(shards).pull(VOCAB_FILE).parent
-    return TrainingData(manifest, vocab_dir, files, val, manifest["rows"], manifest["tokens"],
+    rows, tokens = manifest["rows"], manifest["tokens"]
+    if replay is not None and replay.shards is not None:  # first, so the held-out rows stay the new ones
+        old = replay_shards(read_manifest(replay.shards), manifest, rows - len(held), replay.share)
+        files = [str(storage.join(replay.shards, s["file"])) for s in old] + files
+        rows, tokens = rows + sum(s["rows"] for s in old), tokens + sum(s["tokens"] for s in old)
+    return TrainingData(manifest, vocab_dir, files, val, rows, tokens,
                         [Phase(lambda: _without(read_shards(files), held))])
+
+
+def replay_shards(old: dict, new: dict, new_rows: int, share: float) -> list[dict]:
+    """The earlier capture's shards to replay (manifest entries): whole shards spread evenly over it, the
+    fewest whose rows reach `share` of the mixed training rows. Refuses, in one line, shards of another target,
+    other aux layers or another storage dtype (their rows could not share a batch with the new ones)."""
+    expected = {k: v for k, v in new.items() if k in SIGNATURE_FIELDS and k != "max_length"}
+    why = signature_mismatch(old, expected)
+    if why:
+        raise ValueError(f"data.replay.shards: {why.replace('shards have', 'they have')} (the new shards')")
+    want = round(new_rows * share / (1 - share))
+    shards = old["shards"]
+    if want <= 0 or not shards:
+        return []
+    per = max(1, round(sum(s["rows"] for s in shards) / len(shards)))
+    k = min(len(shards), max(1, math.ceil(want / per)))
+    return [shards[round(i * len(shards) / k)] for i in range(k)]
 
 
 def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
@@ -132,5 +154,5 @@ def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
 
 def training_data(cfg: TrainConfig) -> TrainingData:
     if cfg.data.source == "parquet":
-        return parquet_data(cfg.data.shards, cfg.data.val_rows)
+        return parquet_data(cfg.data.shards, cfg.data.val_rows, cfg.data.replay)
     return stream_data(cfg, hybrid=cfg.data.source == "hybrid")

@@ -70,6 +70,24 @@ def warm_start_state(state: dict, cfg: HeadConfig, d2t: torch.Tensor, target_lm:
     return out
 
 
+def check_init_from(folder, signature: dict, spec) -> None:
+    """Refuse, in one line, a head to start from that another target or other aux layers trained: its
+    vocabulary must be the shards' target's, its hidden states the target's width, its aux layers the
+    shards' (the head reads those layers' states, in that order)."""
+    from trainer.export import import_head
+
+    state, hcfg, aux = import_head(folder, spec.num_layers)
+    if len(state["t2d"]) != spec.vocab_size:
+        raise ValueError(f"model.init_from: {folder} drafts for a vocabulary of {len(state['t2d'])} tokens, the "
+                         f"shards' target has {spec.vocab_size}")
+    if hcfg.target_hidden_size != signature["hidden_size"]:
+        raise ValueError(f"model.init_from: {folder} reads hidden states {hcfg.target_hidden_size} wide, the "
+                         f"shards' target's are {signature['hidden_size']}")
+    if aux is not None and list(aux) != list(signature["aux_layer_ids"]):
+        raise ValueError(f"model.init_from: {folder} reads aux layers {list(aux)}, the shards hold "
+                         f"{list(signature['aux_layer_ids'])}")
+
+
 def run_head_config(model, tcfg, draft_vocab: int, embedding: torch.Tensor) -> HeadConfig:
     """The head config of a run (trainer config's `model` section) for target config tcfg: an EAGLE-3
     head, or a DFlash one whose mask token defaults to trainer/dflash.py's rule over the target's embedding."""
