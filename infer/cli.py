@@ -15,9 +15,11 @@ STAGES = {
     "train": ("trainer.__main__", "train the EAGLE-3 head on Ray Train + DeepSpeed, export it"),
     "eval": ("infer.eval", "acceptance length and speedup per benchmark, report.md and plots"),
     "serve": ("infer.serve", "OpenAI-compatible speculative decoding on Ray Serve"),
+    "flywheel": ("infer.flywheel", "one round: served traffic -> shards -> warm-started head -> gate -> hot swap"),
 }
 COMMANDS = {
     "convert-head": ("trainer.convert", "convert a head between the SGLang and vLLM speculators formats"),
+    "gate": ("infer.gate", "a candidate head against the serving one: promote or keep"),
     "check-lossless": ("infer.checks.lossless", "speculative output token-identical to the target's greedy"),
     "check-vllm": ("infer.checks.vllm_interop", "load our head in vLLM and compare acceptance and text with ours"),
     "gguf-to-hf": ("pipeline.gguf", "convert a GGUF file (or a PyPI wheel carrying one) to a HF folder"),

@@ -1,7 +1,8 @@
 """python -m infer.serve CONFIG.yaml [key=value ...]  — OpenAI-compatible speculative decoding on Ray Serve.
 
 Routes: POST /v1/chat/completions (stream or not), POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text, infer/serve_metrics.py).
+GET /metrics (Prometheus text, infer/serve_metrics.py), GET and POST /v1/admin/head (the hot swap,
+infer/head_swap.py).
 Every request is validated before it reaches the model; errors are OpenAI-style JSON bodies naming the
 field. A replica decodes one request at a time (batch 1) between rounds of which it checks the client
 and the request deadline, so a disconnected stream frees the replica at the next round.
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -22,10 +24,11 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 
 from infer.generate import SpecSettings
+from infer.head_swap import HeadWatcher, Slot, reset_registry
 from infer.openai_api import (SSE_DONE, ChatRequest, CompletionRequest, RequestError, Sampling, finish_reason,
                               logprobs_body, logprobs_k, make_api, refusal, response_body, sse_chunk, summed_usage,
                               visible_text)
-from infer.serve_config import ServeConfig, is_loopback, with_api_key  # noqa: F401 (tests import them here)
+from infer.serve_config import HeadRequest, ServeConfig, is_loopback, with_api_key  # noqa: F401 (tests import them here)
 from infer.serve_metrics import CONTENT_TYPE, ServeMetrics, scrape
 from infer.traffic_log import TrafficLog
 from pipeline.served import served_row
@@ -51,8 +54,8 @@ def _load_generator(cfg: ServeConfig):
     logging.getLogger("ray.serve").info(gen.path_line)  # the replica's log: which CPU path it runs, and why
     spec = cfg.speculative
     if spec.sizing == "adaptive" and gen.draft is not None:  # measured here, not on the first request
-        gen.round_costs(1 if spec.mode == "chain" else spec.top_k)
-    return gen, version
+        gen.round_costs(cfg.adaptive_top_k)
+    return Slot(gen, version, str(cfg.head) if cfg.head else None)
 
 
 api = make_api()
@@ -70,10 +73,19 @@ class EagleServer:
         # All torch work of the replica runs on this one thread, loading included: CPU torch ops run
         # from a second thread after the first has used the OpenMP pool measured 2-3x slower here.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="eagleray-decode")
-        self.gen, self.head_version = self.pool.submit(_load_generator, self.cfg).result()
+        self.slot = self.pool.submit(_load_generator, self.cfg).result()
+        self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
         self.traffic = TrafficLog(cfg.traffic_log) if cfg.traffic_log.path is not None else None
         self.context = getattr(self.gen.target.model.config, "max_position_embeddings", 2048)
         self.lock = asyncio.Lock()  # batch 1: one decode at a time per replica
+        self.heads = HeadWatcher(self, cfg.app_name, cfg.swap_poll_s, cfg.adaptive_top_k)
+        self.heads.take_promoted()  # a replica started after a promotion serves the promoted head
+        self.heads.start()
+
+    @property
+    def gen(self):
+        """The serving generator (tokenizer and target are the same in every slot)."""
+        return self.slot.gen
 
     def _settings(self, req: Sampling, prompt_len: int) -> SpecSettings:
         """The request's decode settings, or a RequestError naming the field."""
@@ -98,14 +110,14 @@ class EagleServer:
         if getattr(self, "traffic", None) is not None:
             self.traffic.close()
 
-    async def _run(self, ids, settings, request: Request | None, on_round=None, cancel: asyncio.Event | None = None,
-                   meta: dict | None = None):
-        """Decode round by round in the replica's torch thread; stop on disconnect, cancel or deadline.
-        Returns (last snapshot, "done" | "disconnected" | "timeout"). meta ({request_id, route, messages}):
-        the request as the traffic log stores it."""
+    async def _run(self, slot: Slot, ids, settings, request: Request | None, on_round=None,
+                   cancel: asyncio.Event | None = None, meta: dict | None = None):
+        """Decode round by round on slot's generator in the replica's torch thread; stop on disconnect,
+        cancel or deadline. Returns (last snapshot, "done" | "disconnected" | "timeout"). meta ({request_id,
+        route, messages}): the request as the traffic log stores it."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         async with self.lock:
-            it = self.gen.stream(ids, settings)
+            it = slot.gen.stream(ids, settings)
             last = None
             try:
                 while True:
@@ -129,22 +141,23 @@ class EagleServer:
                     self.metrics.record_generation(last.stats, len(ids), len(last.tokens),
                                                    time.monotonic() - began)
                     if meta is not None:  # set only when the traffic log is on
-                        self.traffic.record(self._served(meta, ids, settings, last, time.time() - (
+                        self.traffic.record(self._served(meta, ids, settings, last, slot.version, time.time() - (
                             time.monotonic() - began)))
 
-    def _usage(self, ids, g) -> dict:
+    @staticmethod
+    def _usage(ids, g, version: str) -> dict:
         return {"prompt_tokens": len(ids), "completion_tokens": len(g.tokens),
                 "total_tokens": len(ids) + len(g.tokens), "tau": round(g.stats.tau, 4),
-                "verify_rounds": g.stats.rounds, "head_version": self.head_version}
+                "verify_rounds": g.stats.rounds, "head_version": version}
 
-    def _served(self, meta: dict, ids, settings: SpecSettings, g, started_at: float) -> dict:
+    def _served(self, meta: dict, ids, settings: SpecSettings, g, version: str, started_at: float) -> dict:
         """A finished (or cut short) decode as a traffic log row."""
         st = g.stats
         return served_row(request_id=meta["request_id"], model=self.cfg.model_name, route=meta["route"],
                           messages=meta["messages"], prompt_tokens=len(ids), output_ids=g.tokens,
                           output_text=self._text(g.tokens), finish_reason=g.finish_reason or "length",
                           temperature=settings.temperature, depth=st.depth, accepted=st.accepted,
-                          round_starts=st.round_starts, tau=st.tau, head_version=self.head_version,
+                          round_starts=st.round_starts, tau=st.tau, head_version=version,
                           started_at=started_at, finished_at=time.time())
 
     def _text(self, tokens) -> str:
@@ -169,35 +182,36 @@ class EagleServer:
 
     async def _respond(self, req: Sampling, ids: list[int], request: Request, chat: bool):
         settings = self._settings(req, len(ids))
+        slot = self.slot  # this request's head, whatever is promoted while it runs
         head = (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), req.model, chat)
         meta = None if self.traffic is None else {  # only what the traffic log stores
             "request_id": head[0], "route": "chat" if chat else "completion",
             "messages": [m.model_dump(exclude={"name"}) for m in req.messages] if chat
             else [{"role": "user", "content": req.prompt}]}
         if req.stream:
-            return StreamingResponse(self._events(head, ids, settings, request, meta),
+            return StreamingResponse(self._events(slot, head, ids, settings, request, meta),
                                      media_type="text/event-stream")
         choices, usages = [], []
         for i in range(req.n):  # n independent samples, each its own seed when the request gives one
             one = settings if req.seed is None else settings.model_copy(update={"seed": req.seed + i})
             mine = dict(meta, request_id=f"{head[0]}-{i}") if meta is not None and req.n > 1 else meta
-            g, why = await self._run(ids, one, None, meta=mine)
+            g, why = await self._run(slot, ids, one, None, meta=mine)
             if why == "timeout":
                 raise RequestError(504, f"request exceeded request_timeout_s={self.cfg.request_timeout_s}", None,
                                    "timeout")
             text = visible_text(self._text(g.tokens), settings.stop, True)
             choices.append((text, finish_reason(g.finish_reason),
                             self._logprobs(chat, settings.logprobs, g, {"tokens": 0, "offset": 0})))
-            usages.append(self._usage(ids, g))
+            usages.append(self._usage(ids, g, slot.version))
         return response_body(*head, choices, summed_usage(usages))
 
-    async def _events(self, head: tuple, ids, settings, request: Request, meta: dict | None = None):
+    async def _events(self, slot: Slot, head: tuple, ids, settings, request: Request, meta: dict | None = None):
         """Server-sent events: one chunk per verify round with new text, a final chunk with usage, [DONE].
         A decode cut short (disconnect, deadline) ends with finish_reason "length"."""
         chat = head[3]
         queue: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
-        task = asyncio.create_task(self._run(ids, settings, request, queue.put, cancel, meta))
+        task = asyncio.create_task(self._run(slot, ids, settings, request, queue.put, cancel, meta))
         sent, mark = "", {"tokens": 0, "offset": 0}  # mark: the tokens whose logprobs were sent
         try:
             if chat:
@@ -212,7 +226,7 @@ class EagleServer:
                         if g is not None:  # cut short: what was held back for a stop string goes out too
                             rest = visible_text(self._text(g.tokens), settings.stop, True)[len(sent):]
                             yield sse_chunk(*head, {"content": rest} if chat else rest, "length",
-                                            self._usage(ids, g), self._logprobs(chat, settings.logprobs, g, mark))
+                                            self._usage(ids, g, slot.version), self._logprobs(chat, settings.logprobs, g, mark))
                         break
                     continue
                 snap = getter.result()
@@ -221,7 +235,7 @@ class EagleServer:
                 delta, sent = text[len(sent):], text
                 if delta or finish:
                     yield sse_chunk(*head, {"content": delta} if chat else delta, finish,
-                                    self._usage(ids, snap) if finish else None,
+                                    self._usage(ids, snap, slot.version) if finish else None,
                                     self._logprobs(chat, settings.logprobs, snap, mark))
                 if finish:
                     break
@@ -259,10 +273,23 @@ class EagleServer:
         text = await asyncio.get_running_loop().run_in_executor(None, scrape)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
+    @api.post("/v1/admin/head")
+    async def promote_head(self, body: HeadRequest):
+        """Load, check and serve another head on every replica (infer/head_swap.py); 422 when it is refused."""
+        try:
+            return await self.heads.promote(str(body.head))
+        except ValueError as err:
+            await self.heads.registry.refuse.remote(self.replica_id, str(body.head), str(err))
+            raise RequestError(422, str(err), "head", "head_refused") from None
+
+    @api.get("/v1/admin/head")
+    async def head_status(self):
+        return await self.heads.status()
+
     @api.get("/health")
     async def health(self):
-        return {"status": "ok", "head": storage.redact(self.cfg.head) if self.cfg.head else None,
-                "head_version": self.head_version,
+        head = self.slot.head
+        return {"status": "ok", "head": storage.redact(head) if head else None, "head_version": self.slot.version,
                 "traffic_log": dict(self.traffic.stats(), path=storage.redact(self.cfg.traffic_log.path))
                 if self.traffic is not None else None}
 
@@ -300,6 +327,7 @@ def start(cfg: ServeConfig, blocking: bool = False):
     if cfg.head:
         storage.check("head", cfg.head, must_exist=True)  # before any work: one line naming the key
     ensure_ray(cfg.ray_address)
+    reset_registry(cfg.app_name)  # a new deployment serves its configured head
     if not verbose():  # Serve's start-up INFO lines on the driver (proxy, controller, app deployed)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(proxy_location=cfg.proxy_location,

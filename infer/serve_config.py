@@ -54,6 +54,13 @@ class ServeConfig(StrictModel):
     vllm: VllmServe = VllmServe()
     ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
     traffic_log: TrafficLogConfig = TrafficLogConfig()
+    swap_poll_s: float = Field(2.0, gt=0, description="how often a replica looks for a head promoted elsewhere")
+
+    @property
+    def adaptive_top_k(self) -> int | None:
+        """The top_k whose round costs adaptive sizing measures when a head loads; None: fixed sizing."""
+        spec = self.speculative
+        return None if spec.sizing != "adaptive" else 1 if spec.mode == "chain" else spec.top_k
 
     @model_validator(mode="after")
     def _dtype_of_backend(self):
@@ -68,6 +75,11 @@ class ServeConfig(StrictModel):
             raise ValueError("speculative.sizing applies to the eagleray backend; vllm drafts a fixed chain "
                              "of speculative.depth tokens")
         return self
+
+
+class HeadRequest(StrictModel):
+    """POST /v1/admin/head's body (infer/head_swap.py)."""
+    head: str = Field(min_length=1, description="a head folder (as the replicas see it) or URI")
 
 
 def is_loopback(host: str) -> bool:

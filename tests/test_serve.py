@@ -245,6 +245,67 @@ def test_64_concurrent_requests(server):
     assert all(r.usage.completion_tokens >= 1 for r in results)
 
 
+def perturbed_head(src, dst, scale: float):
+    """A copy of a head folder with its weights scaled a little: another version, as lossless as any head."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        state = load_file(f)
+        save_file({k: v * scale if v.is_floating_point() else v for k, v in state.items()}, f)
+    return dst
+
+
+def test_hot_swap_under_load_and_a_broken_head_refused(server, tiny_head, tiny_target, tmp_path):
+    """16 clients ask without pause while a new head is promoted: none fails, every answer is the target's
+    greedy text, each usage names the head that decoded it, and requests sent after the promotion returned
+    are all the new head's. A head whose weights do not load is refused (422) and the new head keeps serving."""
+    from trainer.export import head_version
+
+    c = client(server)
+    old, new = head_version(tiny_head), head_version(perturbed_head(tiny_head, tmp_path / "head_b", 0.97))
+    broken = perturbed_head(tiny_head, tmp_path / "head_broken", 1.0)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    want = greedy_text(tiny_target, MSGS, 24)
+    swapped, results, errors = [], [], []
+
+    def ask(i):
+        while not swapped or time.time() < swapped[0] + 3:
+            sent = time.time()
+            try:
+                r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=24, temperature=0)
+                results.append((sent, r.choices[0].message.content, r.usage.model_extra["head_version"]))
+            except Exception as e:  # counted: the goal is none
+                errors.append(repr(e))
+
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(ask, i) for i in range(16)]
+        time.sleep(4)
+        status, body = post(server, "/v1/admin/head", json.dumps({"head": str(tmp_path / "head_b")}).encode())
+        swapped.append(time.time())
+        for f in futures:
+            f.result()
+    assert status == 200 and body["head_version"] == new and body["previous"] == old, body
+    assert errors == []
+    assert {text for _, text, _ in results} == {want}
+    by = {v: sum(1 for _, _, x in results if x == v) for v in (old, new)}
+    assert by[old] > 0 and by[new] > 0 and by[old] + by[new] == len(results), by
+    assert all(v == new for sent, _, v in results if sent > swapped[0])
+
+    status, body = post(server, "/v1/admin/head", json.dumps({"head": str(broken)}).encode())
+    assert status == 422 and body["error"]["param"] == "head" and "does not load" in body["error"]["message"]
+    with urllib.request.urlopen(urllib.request.Request(server + "/v1/admin/head", headers=AUTH), timeout=30) as r:
+        state = json.loads(r.read())
+    assert state["head_version"] == new and state["refused"][-1]["head"] == str(broken)
+    r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want and r.usage.model_extra["head_version"] == new
+    status, body = post(server, "/v1/admin/head", json.dumps({"head": str(tiny_head)}).encode())
+    assert status == 200 and body["head_version"] == old  # the module's other tests see the fixture's head
+
+
 def test_cancelled_stream_frees_the_replica(server):
     c = client(server)
     stream = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=64, temperature=0.9, seed=1,

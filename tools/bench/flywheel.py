@@ -1,0 +1,173 @@
+"""Flywheel benchmark: one round of learning from served traffic on the demo, the swap under load, judged.
+
+    python -m tools.bench.flywheel [--target runs/demo/target] [--head runs/demo/head/head_speculators]
+        [--traffic ../shared/data/gsm8k/train.jsonl] [--served 400] [--judge 40] [--out runs/bench_flywheel]
+
+After `make demo`: the demo endpoint (its target and head, traffic log on) answers `--served` questions of a
+domain the head was not trained on (GSM8K training questions), then one flywheel round (configs/flywheel/
+demo.yaml: log -> pipeline -> train -> gate) runs against it, and its swap step runs while 16 clients send
+requests without pause. Judged afterwards, old head against new on prompts no round saw: GSM8K test
+questions (the domain) and MT-Bench and C-Eval (the others), fixed tree, each output compared with the
+target alone's. Last line: one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from infer.benchmarks import read_gsm8k
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_traffic(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int = 4) -> int:
+    import openai
+
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    ask = lambda p: c.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],  # noqa: E731
+                                              max_tokens=max_tokens, temperature=0)
+    with ThreadPoolExecutor(concurrency) as pool:
+        return sum(1 for r in pool.map(ask, prompts) if r.choices[0].message.content is not None)
+
+
+def wait_logged(cfg, n: int, timeout: float = 120) -> int:
+    from infer.flywheel import endpoint_call
+
+    deadline, written = time.time() + timeout, 0
+    while time.time() < deadline:
+        written = endpoint_call(cfg, "/health")[1]["traffic_log"]["logged"]
+        if written >= n:
+            break
+        time.sleep(0.5)
+    return written
+
+
+class Load:
+    """`clients` threads sending chat requests without pause until stopped; what each answer's usage names."""
+
+    def __init__(self, url: str, model: str, prompts: list[str], clients: int = 16, max_tokens: int = 32):
+        import openai
+
+        self.c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        self.model, self.prompts, self.max_tokens = model, prompts, max_tokens
+        self.stop, self.results, self.errors = threading.Event(), [], []
+        self.threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
+
+    def _client(self, i: int) -> None:
+        k = i
+        while not self.stop.is_set():
+            p = self.prompts[k % len(self.prompts)]
+            k += len(self.threads)
+            try:
+                r = self.c.chat.completions.create(model=self.model, messages=[{"role": "user", "content": p}],
+                                                   max_tokens=self.max_tokens, temperature=0)
+                self.results.append((p, r.choices[0].message.content, r.usage.model_extra["head_version"]))
+            except Exception as e:  # the goal is none: each is counted and shown
+                self.errors.append(repr(e)[:200])
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def judge(target: Path, old: str, new: str, n: int, out: Path) -> dict:
+    from infer.gate import GateConfig, run_gate
+
+    benches = [{"name": "gsm8k", "kind": "gsm8k", "path": ROOT / "data/gsm8k/test.jsonl", "limit": n},
+               {"name": "mt_bench", "kind": "mt_bench", "path": ROOT / "data/mt_bench/question.jsonl", "limit": n},
+               {"name": "ceval", "kind": "ceval", "path": ROOT / "data/ceval", "limit": n}]
+    return run_gate(GateConfig(target=target, serving=old, candidate=new, benchmarks=benches, out_dir=out,
+                               decode={"sizing": "fixed", "max_new_tokens": 64}))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, default=ROOT / "runs/demo/target")
+    ap.add_argument("--head", type=Path, default=ROOT / "runs/demo/head/head_speculators")
+    ap.add_argument("--traffic", type=Path, default=ROOT.parent / "shared/data/gsm8k/train.jsonl")
+    ap.add_argument("--served", type=int, default=400, help="traffic requests served before the round")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--judge", type=int, default=40, help="prompts of each judged benchmark")
+    ap.add_argument("--config", type=Path, default=ROOT / "configs/flywheel/demo.yaml")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs/bench_flywheel")
+    args = ap.parse_args(argv)
+    from infer.cluster.local import free_port
+    from infer.flywheel import (STEPS, FlywheelConfig, Round, endpoint_call, serving, step_gate, step_log,
+                                step_pipeline, step_swap, step_train)
+    from infer.serve import ServeConfig, start
+    from pipeline.yaml_config import load_config
+
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    port = free_port()
+    scfg = load_config(ServeConfig, ROOT / "configs/serve/demo.yaml", [
+        f"target={args.target}", f"head={args.head}", f"port={port}", "num_cpus_per_replica=0",
+        f"traffic_log.path={args.out / 'traffic'}", "traffic_log.flush_rows=64", "traffic_log.flush_s=1"])
+    url = start(scfg)
+    cfg = load_config(FlywheelConfig, args.config, [f"endpoint={url}", f"work_dir={args.out / 'flywheel'}"])
+    prompts = [it["turns"][0] for it in read_gsm8k(args.traffic, args.served)]
+    t0 = time.time()
+    served = serve_traffic(url, scfg.model_name, prompts, args.max_tokens)
+    logged = wait_logged(cfg, served)
+    serve_s = time.time() - t0
+    print(f"[bench] served {served} requests in {serve_s:.0f} s; {logged} logged", flush=True)
+
+    t0 = time.time()
+    rnd = Round(cfg.work_dir)
+    rnd.run("log", step_log, cfg, serving(cfg))
+    for name, step in (("pipeline", step_pipeline), ("train", step_train), ("gate", step_gate)):
+        rnd.run(name, step, cfg)
+    load_prompts = [it["turns"][0] for it in read_gsm8k(ROOT / "data/gsm8k/test.jsonl", 64)]
+    with Load(url, scfg.model_name, load_prompts) as load:
+        time.sleep(3)
+        if rnd.state["steps"]["gate"]["promote"]:
+            rnd.run("swap", step_swap, cfg)
+        else:  # measured all the same: the swap is half the benchmark; the JSON keeps the gate's verdict
+            print(f"[bench] the gate kept the serving head ({rnd.state['steps']['gate']['reasons']}); swapping "
+                  "anyway to measure the swap", flush=True)
+            rnd.run("swap", lambda r, c: dict(endpoint_call(c, "/v1/admin/head", {
+                "head": r.state["steps"]["train"]["candidate"]})[1], forced=True), cfg)
+        swapped_at = time.time()
+        time.sleep(3)
+    round_s = time.time() - t0 - 6  # the load's own 6 s of pauses are not the round's
+    old, new = rnd.state["steps"]["log"]["head_version"], rnd.state["steps"]["swap"]["head_version"]
+    texts: dict[str, set] = {}
+    for p, text, _ in load.results:
+        texts.setdefault(p, set()).add(text)
+    report = judge(args.target, str(args.head), rnd.state["steps"]["train"]["candidate"], args.judge, args.out)
+    sets = report["sets"]
+    from infer.serve import stop
+
+    stop()
+    result = {
+        "served_records": logged,
+        "swap": {"requests": len(load.results) + len(load.errors), "failed": len(load.errors),
+                 "answered_by_old": sum(1 for r in load.results if r[2] == old),
+                 "answered_by_new": sum(1 for r in load.results if r[2] == new), "errors": load.errors[:3]},
+        "domain_tau_before": sets["gsm8k"]["serving_tau"], "domain_tau_after": sets["gsm8k"]["candidate_tau"],
+        "domain_ratio": sets["gsm8k"]["ratio"],
+        "other_tau_before": {n: s["serving_tau"] for n, s in sets.items() if n != "gsm8k"},
+        "other_tau_after": {n: s["candidate_tau"] for n, s in sets.items() if n != "gsm8k"},
+        "other_ratio": {n: s["ratio"] for n, s in sets.items() if n != "gsm8k"},
+        "identical": report["identical"] and rnd.state["steps"]["gate"]["identical"]
+        and all(len(t) == 1 for t in texts.values()),
+        "gate": {k: rnd.state["steps"]["gate"][k] for k in ("sets", "promote", "reasons")},
+        "round_s": round(round_s, 1), "steps_s": {s: rnd.state["steps"][s]["seconds"] for s in STEPS[:5]},
+        "serve_traffic_s": round(serve_s, 1), "swap_at_s": round(swapped_at - t0, 1)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
