@@ -306,6 +306,59 @@ def test_hot_swap_under_load_and_a_broken_head_refused(server, tiny_head, tiny_t
     assert status == 200 and body["head_version"] == old  # the module's other tests see the fixture's head
 
 
+def test_flywheel_round_against_the_endpoint(server, tiny_target, tiny_head, pipeline_run, demo_corpus, tmp_path):
+    """`eagleray flywheel`: the endpoint's logged traffic ingested (a held-out share kept apart), a head
+    warm-started from the serving one trained on it with replay, gated, swapped in on the endpoint; run again
+    with no new traffic it waits; the round's steps are in its state and its line in report.md."""
+    from conftest import pipeline_tree, write_yaml
+    from infer.cli import main as eagleray
+    from trainer.export import head_version
+
+    c = client(server)
+    asks = [f"Tell me about the river number {i}, please." for i in range(48)]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda q: c.chat.completions.create(model=MODEL, max_tokens=24, temperature=0, messages=[
+            {"role": "user", "content": q}]), asks))
+    time.sleep(1.5)  # the log's batches are written every flush_s (0.2 s)
+    base = write_yaml(tmp_path / "pipeline.yaml", pipeline_tree(tmp_path / "unused", tiny_target,
+                                                               demo_corpus / "train.jsonl"))
+    trainer = write_yaml(tmp_path / "trainer.yaml", {
+        "target": str(tiny_target), "out_dir": str(tmp_path / "unused"),
+        "data": {"shards": "unused", "max_rows_per_batch": 4, "val_rows": 0}, "model": {"ttt_length": 3},
+        "optim": {"lr": 1e-3}, "max_steps": 30, "epochs": 2, "log_every": 10,
+        "scaling": {"num_workers": 1, "cpus_per_worker": 1}})
+    cfg = write_yaml(tmp_path / "flywheel.yaml", {
+        "endpoint": server, "api_key": KEY, "work_dir": str(tmp_path / "fly"), "min_records": 32, "held_out": 0.25,
+        "pipeline": str(base), "trainer": str(trainer),
+        "replay": {"shards": str(pipeline_run / "capture"), "share": 0.5},
+        # the mechanics, not the lift: 30 steps on 36 records may not raise tau, so any head no worse than half
+        "gate": {"benchmarks": [{"name": "mt_bench", "kind": "mt_bench", "path": "data/mt_bench/question.jsonl",
+                                 "limit": 2}], "min_gain": 0.5, "max_drop": 0.5, "decode": {"max_new_tokens": 24}}})
+    assert eagleray(["flywheel", str(cfg)]) == 0
+    state = json.loads((tmp_path / "fly" / "round-001" / "state.json").read_text())
+    steps = state["steps"]
+    assert list(steps) == ["log", "pipeline", "train", "gate", "swap", "report"]
+    assert steps["log"]["records"] >= 48 and steps["log"]["head"] == str(tiny_head)
+    # the module's repeated greedy questions are duplicates and its completions no chats: counted rejects
+    assert steps["pipeline"]["records"] + steps["pipeline"]["held_out"] >= 48
+    assert steps["pipeline"]["held_out"] >= 12
+    gate = steps["gate"]
+    assert gate["promote"] and gate["identical"] and set(gate["sets"]) == {"traffic", "mt_bench"}
+    assert gate["sets"]["traffic"]["prompts"] == steps["pipeline"]["held_out"]
+    new = head_version(steps["train"]["candidate"])
+    assert steps["swap"]["head_version"] == new and steps["swap"]["previous"] == head_version(tiny_head)
+    with urllib.request.urlopen(server + "/health", timeout=30) as r:
+        assert json.loads(r.read())["head_version"] == new
+    r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=24, temperature=0)
+    assert r.usage.model_extra["head_version"] == new and r.choices[0].message.content == greedy_text(
+        tiny_target, MSGS, 24)
+    assert (tmp_path / "fly" / "report.md").read_text().count("\n| 1 |") == 1
+    assert eagleray(["flywheel", str(cfg), "min_records=1000"]) == 0  # waits: round 2 has no step done
+    assert not (tmp_path / "fly" / "round-002" / "state.json").exists()
+    status, body = post(server, "/v1/admin/head", json.dumps({"head": str(tiny_head)}).encode())
+    assert status == 200 and body["head_version"] == head_version(tiny_head)
+
+
 def test_cancelled_stream_frees_the_replica(server):
     c = client(server)
     stream = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=64, temperature=0.9, seed=1,
