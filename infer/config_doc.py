@@ -28,12 +28,15 @@ only), `auto` (bf16 on GPU, fp32 on CPU). `null` is YAML's None.
 
 def stages() -> list[tuple[str, str, type[BaseModel]]]:
     from infer.eval import EvalConfig
+    from infer.flywheel import FlywheelConfig
+    from infer.gate import GateConfig
     from infer.serve import ServeConfig
     from pipeline.config import PipelineConfig
     from trainer.config import TrainConfig
 
     return [("Pipeline", "eagleray pipeline", PipelineConfig), ("Trainer", "eagleray train", TrainConfig),
-            ("Eval", "eagleray eval", EvalConfig), ("Serve", "eagleray serve", ServeConfig)]
+            ("Eval", "eagleray eval", EvalConfig), ("Serve", "eagleray serve", ServeConfig),
+            ("Gate", "eagleray gate", GateConfig), ("Flywheel", "eagleray flywheel", FlywheelConfig)]
 
 
 def _model_of(annotation) -> type[BaseModel] | None:

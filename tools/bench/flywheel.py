@@ -66,7 +66,8 @@ class Load:
             try:
                 r = self.c.chat.completions.create(model=self.model, messages=[{"role": "user", "content": p}],
                                                    max_tokens=self.max_tokens, temperature=0)
-                self.results.append((p, r.choices[0].message.content, r.usage.model_extra["head_version"]))
+                self.results.append((time.time(), p, r.choices[0].message.content,
+                                     (r.usage.model_extra or {}).get("head_version")))  # vLLM's names none
             except Exception as e:  # the goal is none: each is counted and shown
                 self.errors.append(repr(e)[:200])
 
@@ -79,6 +80,47 @@ class Load:
         self.stop.set()
         for t in self.threads:
             t.join()
+
+
+def control_head(cfg, rnd, out: Path) -> str:
+    """The control: the serving head trained as many steps on its old shards alone (no traffic) -> its folder.
+    What the round gains beyond it is the traffic's; the rest is more training."""
+    from infer.flywheel import derived_yaml
+    from trainer.config import TrainConfig
+    from trainer.driver import run_training
+    from pipeline.yaml_config import load_config
+
+    steps = json.loads((rnd.dir / "head" / "report.json").read_text())["steps"]
+    path = derived_yaml(cfg.trainer, out / "control.yaml", {
+        "out_dir": str(out / "control"), "data.shards": str(cfg.replay.shards.resolve()),
+        "model.init_from": rnd.state["steps"]["log"]["head"], "max_steps": steps, "epochs": 100})
+    tcfg = load_config(TrainConfig, path, cfg.trainer_overrides)
+    run_training(tcfg)
+    return str(out / "control" / f"head_{tcfg.export_formats[0]}")
+
+
+def vllm_swap(target: Path, old: str, new: str, prompts: list[str]) -> dict:
+    """The vllm backend takes a new head by redeploying (Ray Serve's rolling update of the app), under the
+    same 16 clients: how many requests fail, and how long the redeploy takes."""
+    from ray import serve
+
+    from infer.cluster.local import free_port
+    from infer.serve import start
+    from tools.bench.serve import deployment
+
+    cfg = deployment("vllm", target, Path(old), free_port(), 3, 2)
+    url = start(cfg)
+    with Load(url, cfg.model_name, prompts) as load:
+        time.sleep(5)
+        t0 = time.time()
+        start(cfg.model_copy(update={"head": Path(new)}))
+        t1 = time.time()
+        time.sleep(5)
+    serve.delete(cfg.app_name)
+    return {"requests": len(load.results) + len(load.errors), "failed": len(load.errors),
+            "answered_before_redeploy_returned": sum(1 for r in load.results if r[0] < t1),
+            "answered_after": sum(1 for r in load.results if r[0] >= t1), "redeploy_s": round(t1 - t0, 1),
+            "errors": load.errors[:3]}
 
 
 def judge(target: Path, old: str, new: str, n: int, out: Path) -> dict:
@@ -101,6 +143,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--judge", type=int, default=40, help="prompts of each judged benchmark")
     ap.add_argument("--config", type=Path, default=ROOT / "configs/flywheel/demo.yaml")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench_flywheel")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["control", "vllm"],
+                    help="control: no replay-only head; vllm: no redeploy of the vllm backend")
     args = ap.parse_args(argv)
     from infer.cluster.local import free_port
     from infer.flywheel import (STEPS, FlywheelConfig, Round, endpoint_call, serving, step_gate, step_log,
@@ -143,18 +187,27 @@ def main(argv=None) -> dict:
     round_s = time.time() - t0 - 6  # the load's own 6 s of pauses are not the round's
     old, new = rnd.state["steps"]["log"]["head_version"], rnd.state["steps"]["swap"]["head_version"]
     texts: dict[str, set] = {}
-    for p, text, _ in load.results:
+    for _, p, text, _ in load.results:
         texts.setdefault(p, set()).add(text)
     report = judge(args.target, str(args.head), rnd.state["steps"]["train"]["candidate"], args.judge, args.out)
     sets = report["sets"]
+    from ray import serve
+
     from infer.serve import stop
 
+    serve.delete(scfg.app_name)
+    control = None
+    if "control" not in args.skip:
+        ctl = judge(args.target, str(args.head), control_head(cfg, rnd, args.out), args.judge, args.out / "judge_control")
+        control = {n: {"tau": s["candidate_tau"], "ratio": s["ratio"]} for n, s in ctl["sets"].items()}
+    vllm = None if "vllm" in args.skip else vllm_swap(args.target, str(args.head),
+                                                     rnd.state["steps"]["train"]["candidate"], load_prompts)
     stop()
     result = {
         "served_records": logged,
         "swap": {"requests": len(load.results) + len(load.errors), "failed": len(load.errors),
-                 "answered_by_old": sum(1 for r in load.results if r[2] == old),
-                 "answered_by_new": sum(1 for r in load.results if r[2] == new), "errors": load.errors[:3]},
+                 "answered_by_old": sum(1 for r in load.results if r[3] == old),
+                 "answered_by_new": sum(1 for r in load.results if r[3] == new), "errors": load.errors[:3]},
         "domain_tau_before": sets["gsm8k"]["serving_tau"], "domain_tau_after": sets["gsm8k"]["candidate_tau"],
         "domain_ratio": sets["gsm8k"]["ratio"],
         "other_tau_before": {n: s["serving_tau"] for n, s in sets.items() if n != "gsm8k"},
@@ -163,6 +216,7 @@ def main(argv=None) -> dict:
         "identical": report["identical"] and rnd.state["steps"]["gate"]["identical"]
         and all(len(t) == 1 for t in texts.values()),
         "gate": {k: rnd.state["steps"]["gate"][k] for k in ("sets", "promote", "reasons")},
+        "control_replay_only": control, "vllm_redeploy": vllm,
         "round_s": round(round_s, 1), "steps_s": {s: rnd.state["steps"][s]["seconds"] for s in STEPS[:5]},
         "serve_traffic_s": round(serve_s, 1), "swap_at_s": round(swapped_at - t0, 1)}
     print(json.dumps(result), flush=True)
