@@ -82,6 +82,14 @@ class Load:
             t.join()
 
 
+def broken_head(src: Path, dst: Path) -> Path:
+    """A copy of a head whose weights file is not safetensors."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    return dst
+
+
 def control_head(cfg, rnd, out: Path) -> str:
     """The control: the serving head trained as many steps on its old shards alone (no traffic) -> its folder.
     What the round gains beyond it is the traffic's; the rest is more training."""
@@ -99,16 +107,15 @@ def control_head(cfg, rnd, out: Path) -> str:
     return str(out / "control" / f"head_{tcfg.export_formats[0]}")
 
 
-def vllm_swap(target: Path, old: str, new: str, prompts: list[str]) -> dict:
+def vllm_swap(target: Path, old: str, new: str, prompts: list[str], port: int) -> dict:
     """The vllm backend takes a new head by redeploying (Ray Serve's rolling update of the app), under the
     same 16 clients: how many requests fail, and how long the redeploy takes."""
     from ray import serve
 
-    from infer.cluster.local import free_port
     from infer.serve import start
     from tools.bench.serve import deployment
 
-    cfg = deployment("vllm", target, Path(old), free_port(), 3, 2)
+    cfg = deployment("vllm", target, Path(old), port, 3, 2)  # Serve's one HTTP proxy keeps its first port
     url = start(cfg)
     with Load(url, cfg.model_name, prompts) as load:
         time.sleep(5)
@@ -145,6 +152,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench_flywheel")
     ap.add_argument("--skip", nargs="*", default=[], choices=["control", "vllm"],
                     help="control: no replay-only head; vllm: no redeploy of the vllm backend")
+    ap.add_argument("--vllm-only", type=Path, metavar="CANDIDATE",
+                    help="only the vllm backend's redeploy from --head to this head folder")
     args = ap.parse_args(argv)
     from infer.cluster.local import free_port
     from infer.flywheel import (STEPS, FlywheelConfig, Round, endpoint_call, serving, step_gate, step_log,
@@ -152,6 +161,15 @@ def main(argv=None) -> dict:
     from infer.serve import ServeConfig, start
     from pipeline.yaml_config import load_config
 
+    if args.vllm_only:
+        from infer.serve import stop
+
+        load_prompts = [it["turns"][0] for it in read_gsm8k(ROOT / "data/gsm8k/test.jsonl", 64)]
+        result = {"vllm_redeploy": vllm_swap(args.target, str(args.head), str(args.vllm_only), load_prompts,
+                                             free_port())}
+        stop()
+        print(json.dumps(result), flush=True)
+        return result
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     port = free_port()
@@ -160,6 +178,8 @@ def main(argv=None) -> dict:
         f"traffic_log.path={args.out / 'traffic'}", "traffic_log.flush_rows=64", "traffic_log.flush_s=1"])
     url = start(scfg)
     cfg = load_config(FlywheelConfig, args.config, [f"endpoint={url}", f"work_dir={args.out / 'flywheel'}"])
+    if not args.traffic.is_file():
+        raise SystemExit(f"--traffic {args.traffic}: not found (GSM8K's train.jsonl, or any jsonl with 'question')")
     prompts = [it["turns"][0] for it in read_gsm8k(args.traffic, args.served)]
     t0 = time.time()
     served = serve_traffic(url, scfg.model_name, prompts, args.max_tokens)
@@ -184,7 +204,10 @@ def main(argv=None) -> dict:
                 "head": r.state["steps"]["train"]["candidate"]})[1], forced=True), cfg)
         swapped_at = time.time()
         time.sleep(3)
-    round_s = time.time() - t0 - 6  # the load's own 6 s of pauses are not the round's
+        round_s = time.time() - t0 - 6  # the load's own 6 s of pauses are not the round's
+        broken = broken_head(args.head, args.out / "head_broken")  # refused while the new head serves on
+        refused = endpoint_call(cfg, "/v1/admin/head", {"head": str(broken)})
+        time.sleep(2)
     old, new = rnd.state["steps"]["log"]["head_version"], rnd.state["steps"]["swap"]["head_version"]
     texts: dict[str, set] = {}
     for _, p, text, _ in load.results:
@@ -201,13 +224,15 @@ def main(argv=None) -> dict:
         ctl = judge(args.target, str(args.head), control_head(cfg, rnd, args.out), args.judge, args.out / "judge_control")
         control = {n: {"tau": s["candidate_tau"], "ratio": s["ratio"]} for n, s in ctl["sets"].items()}
     vllm = None if "vllm" in args.skip else vllm_swap(args.target, str(args.head),
-                                                     rnd.state["steps"]["train"]["candidate"], load_prompts)
+                                                     rnd.state["steps"]["train"]["candidate"], load_prompts,
+                                                     scfg.port)
     stop()
     result = {
         "served_records": logged,
         "swap": {"requests": len(load.results) + len(load.errors), "failed": len(load.errors),
                  "answered_by_old": sum(1 for r in load.results if r[3] == old),
-                 "answered_by_new": sum(1 for r in load.results if r[3] == new), "errors": load.errors[:3]},
+                 "answered_by_new": sum(1 for r in load.results if r[3] == new), "errors": load.errors[:3],
+                 "broken_head": {"status": refused[0], "error": refused[1].get("error", {}).get("message", "")[:120]}},
         "domain_tau_before": sets["gsm8k"]["serving_tau"], "domain_tau_after": sets["gsm8k"]["candidate_tau"],
         "domain_ratio": sets["gsm8k"]["ratio"],
         "other_tau_before": {n: s["serving_tau"] for n, s in sets.items() if n != "gsm8k"},
