@@ -173,11 +173,13 @@ def test_every_shipped_config_validates_but_for_paths_a_clone_lacks(path):
     from pydantic import ValidationError
 
     from infer.eval import EvalConfig
+    from infer.flywheel import FlywheelConfig
     from infer.serve import ServeConfig
     from pipeline.config import PipelineConfig
     from trainer.config import TrainConfig
 
-    model = {"pipeline": PipelineConfig, "trainer": TrainConfig, "eval": EvalConfig, "serve": ServeConfig}
+    model = {"pipeline": PipelineConfig, "trainer": TrainConfig, "eval": EvalConfig, "serve": ServeConfig,
+             "flywheel": FlywheelConfig}
     try:
         model[path.parent.name].model_validate(yaml.safe_load(path.read_text()))
     except ValidationError as e:
