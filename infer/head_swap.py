@@ -183,5 +183,6 @@ class HeadWatcher:
 
     async def status(self) -> dict:
         seq, head, version = await self.registry.current.remote()
-        return {"head_version": self.owner.slot.version, "seq": seq, "promoted": version or None,
+        return {"replica": self.owner.replica_id, "head_version": self.owner.slot.version, "seq": seq,
+                "promoted": version or None,
                 "refused": await self.registry.refusals.remote()}

@@ -306,6 +306,38 @@ def test_hot_swap_under_load_and_a_broken_head_refused(server, tiny_head, tiny_t
     assert status == 200 and body["head_version"] == old  # the module's other tests see the fixture's head
 
 
+def test_a_head_promoted_on_one_replica_reaches_the_other(server, tiny_target, tiny_head, tmp_path):
+    """Two replicas: the admin call swaps the one it reaches, the other takes the head from the registry
+    within its poll; after that every answer, whichever replica gives it, is the new head's and the target's."""
+    from ray import serve
+
+    from infer.serve import ServeConfig, start
+    from trainer.export import head_version
+
+    port = int(server.rsplit(":", 1)[1])
+    cfg = ServeConfig(target=tiny_target, head=tiny_head, model_name=MODEL, port=port, app_name="two",
+                      route_prefix="/two", num_replicas=2, num_cpus_per_replica=0, threads_per_replica=1,
+                      max_tokens_limit=64, speculative={"sizing": "fixed"}, api_key=KEY, swap_poll_s=0.5)
+    url = start(cfg)
+    try:
+        new = head_version(perturbed_head(tiny_head, tmp_path / "head_two", 0.98))
+        status, body = post(url, "/v1/admin/head", json.dumps({"head": str(tmp_path / "head_two")}).encode())
+        assert status == 200 and body["head_version"] == new
+        time.sleep(4)  # the other replica's poll (0.5 s), its load and check
+        c, want = client(url), greedy_text(tiny_target, MSGS, 16)
+        ask = lambda i: c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=16, temperature=0)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(24)))
+        assert {(a.choices[0].message.content, a.usage.model_extra["head_version"]) for a in answers} == {(want, new)}
+        get = lambda i: json.loads(urllib.request.urlopen(urllib.request.Request(  # noqa: E731
+            url + "/v1/admin/head", headers=AUTH), timeout=30).read())
+        with ThreadPoolExecutor(8) as pool:
+            states = {(st["replica"], st["head_version"]) for st in pool.map(get, range(48))}
+        assert len(states) == 2 and {v for _, v in states} == {new}, states  # both replicas answered, both new
+    finally:
+        serve.delete("two")
+
+
 def test_flywheel_round_against_the_endpoint(server, tiny_target, tiny_head, pipeline_run, demo_corpus, tmp_path):
     """`eagleray flywheel`: the endpoint's logged traffic ingested (a held-out share kept apart), a head
     warm-started from the serving one trained on it with replay, gated, swapped in on the endpoint; run again
