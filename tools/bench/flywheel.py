@@ -1,12 +1,12 @@
 """Flywheel benchmark: one round of learning from served traffic on the demo, the swap under load, judged.
 
-    python -m tools.bench.flywheel [--target runs/demo/target] [--head runs/demo/head/head_speculators]
-        [--traffic ../shared/data/gsm8k/train.jsonl] [--served 400] [--judge 40] [--out runs/bench_flywheel]
+    python -m tools.bench.flywheel --traffic GSM8K/train.jsonl [--target runs/demo/target]
+        [--head runs/demo/head/head_speculators] [--served 400] [--judge 40] [--out runs/bench_flywheel]
 
 After `make demo`: the demo endpoint (its target and head, traffic log on) answers `--served` questions of a
-domain the head was not trained on (GSM8K training questions), then one flywheel round (configs/flywheel/
-demo.yaml: log -> pipeline -> train -> gate) runs against it, and its swap step runs while 16 clients send
-requests without pause. Judged afterwards, old head against new on prompts no round saw: GSM8K test
+domain the head was not trained on (GSM8K's train split, not shipped: data/README.md "Larger corpora"),
+then one flywheel round (configs/flywheel/demo.yaml: log -> pipeline -> train -> gate) runs against it, and
+its swap step runs while 16 clients send requests without pause. Judged afterwards, old head against new on prompts no round saw: GSM8K test
 questions (the domain) and MT-Bench and C-Eval (the others), fixed tree, each output compared with the
 target alone's. Last line: one JSON object.
 """
@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=ROOT / "runs/demo/target")
     ap.add_argument("--head", type=Path, default=ROOT / "runs/demo/head/head_speculators")
-    ap.add_argument("--traffic", type=Path, default=ROOT.parent / "shared/data/gsm8k/train.jsonl")
+    ap.add_argument("--traffic", type=Path, help="the served questions: GSM8K's train.jsonl (not shipped)")
     ap.add_argument("--served", type=int, default=400, help="traffic requests served before the round")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--judge", type=int, default=40, help="prompts of each judged benchmark")
@@ -178,8 +178,8 @@ def main(argv=None) -> dict:
         f"traffic_log.path={args.out / 'traffic'}", "traffic_log.flush_rows=64", "traffic_log.flush_s=1"])
     url = start(scfg)
     cfg = load_config(FlywheelConfig, args.config, [f"endpoint={url}", f"work_dir={args.out / 'flywheel'}"])
-    if not args.traffic.is_file():
-        raise SystemExit(f"--traffic {args.traffic}: not found (GSM8K's train.jsonl, or any jsonl with 'question')")
+    if args.traffic is None or not args.traffic.is_file():
+        raise SystemExit(f"--traffic {args.traffic}: need GSM8K's train.jsonl (or any jsonl of 'question' rows)")
     prompts = [it["turns"][0] for it in read_gsm8k(args.traffic, args.served)]
     t0 = time.time()
     served = serve_traffic(url, scfg.model_name, prompts, args.max_tokens)
