@@ -143,7 +143,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     # written once, by the call that returns); its constructor's arguments are strings, passed inline.
     worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor, resources=cfg.resources_per_actor,
                         max_restarts=-1, max_task_retries=-1)(EvalWorker)
-    head = cfg.head if storage.is_uri(cfg.head) else str(cfg.head.resolve())
+    head = str(storage.absolute(cfg.head))
     actors = [worker.remote(str(cfg.target.resolve()), head, cfg.threads_per_actor,
                             cfg.gpus_per_actor > 0, cfg.dtype, cfg.decode.cpu_path)
               for _ in range(cfg.num_actors)]

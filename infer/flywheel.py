@@ -25,7 +25,7 @@ from infer.eval import Bench
 from infer.generate import SpecSettings
 from pipeline import storage
 from pipeline.yaml_config import (ExistingPath, InputLocation, StrictModel, config_arguments, errors_exit,
-                                  load_config, load_or_exit)
+                                  load_config, load_or_exit, set_dotted)
 
 STEPS = ("log", "pipeline", "train", "gate", "swap", "report")
 
@@ -133,10 +133,7 @@ def derived_yaml(base: Path, path: Path, changes: dict) -> Path:
     """The base YAML with the round's keys set (dotted names), written into the round for provenance."""
     tree = yaml.safe_load(base.read_text(encoding="utf-8")) or {}
     for key, value in changes.items():
-        node, *parts = tree, *key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
+        set_dotted(tree, key.split("."), value, key)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     return path
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from infer.eval import Bench
+from infer.eval import Bench, EvalWorker
 from infer.generate import SpecSettings
 from pipeline import storage
 from pipeline.cluster import ensure_ray
@@ -43,19 +43,15 @@ class GateConfig(StrictModel):
     ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
 
 
-class GateWorker:
-    """Ray actor: the target with the serving head, and the candidate over the same target."""
+class GateWorker(EvalWorker):
+    """Ray actor: eval's worker with the serving head, and the candidate over the same target."""
 
     def __init__(self, target: str, serving: str, candidate: str, threads: int | None, dtype: str = "auto"):
-        import torch
-
         from infer.generate import EagleGenerator
         from pipeline.target import torch_dtype
 
-        if threads:
-            torch.set_num_threads(threads)
-        self.serving = EagleGenerator.from_folders(target, storage.Mirror.folder(serving, "gate"),
-                                                   dtype=torch_dtype(dtype, "cpu"))
+        super().__init__(target, serving, threads, False, dtype)
+        self.serving = self.gen
         cand = storage.Mirror.folder(candidate, "gate")
         try:
             self.candidate = self.serving.with_head(cand)
@@ -136,7 +132,7 @@ def run_gate(cfg: GateConfig) -> dict:
     sets = prompt_sets(cfg)
     print(f"gate: {ensure_ray(cfg.ray_address)}", flush=True)
     worker = ray.remote(num_cpus=cfg.cpus_per_actor, max_restarts=-1, max_task_retries=-1)(GateWorker)
-    loc = lambda x: x if storage.is_uri(x) else str(Path(x).resolve())  # noqa: E731
+    loc = lambda x: str(storage.absolute(x))  # noqa: E731
     actors = [worker.remote(str(cfg.target.resolve()), loc(cfg.serving), loc(cfg.candidate),
                             cfg.threads_per_actor or int(cfg.cpus_per_actor), cfg.dtype) for _ in range(cfg.num_actors)]
     jobs = [(name, it) for name, items in sets.items() for it in items]

@@ -16,7 +16,6 @@ import signal
 import socket
 import time
 import uuid
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
@@ -294,14 +293,9 @@ class EagleServer:
                 if self.traffic is not None else None}
 
 
-def absolute(loc):
-    """A path made absolute (replicas run in other folders); a URI as it is."""
-    return None if loc is None else loc if storage.is_uri(loc) else Path(loc).resolve()
-
-
 def build_application(cfg: ServeConfig):
     """The `eagleray` backend's Serve application: EagleServer sized from the config."""
-    cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": absolute(cfg.head)})
+    cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": storage.absolute(cfg.head)})
     return EagleServer.options(
         num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.num_cpus_per_replica, "num_gpus": cfg.num_gpus_per_replica,

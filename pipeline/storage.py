@@ -36,6 +36,11 @@ def is_uri(loc) -> bool:
     return isinstance(loc, str) and bool(URI.match(loc)) and not loc.startswith("file://")
 
 
+def absolute(loc):
+    """A local path made absolute (workers and replicas run in other folders); a URI, or None, as it is."""
+    return loc if loc is None or is_uri(loc) else Path(loc).resolve()
+
+
 def location(value) -> Path | str:
     """A config value -> a `Path` (local; `file://` stripped) or a URI string without a trailing slash."""
     if not isinstance(value, (str, Path)):

@@ -95,7 +95,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def _set_dotted(tree: dict, parts: list[str], value: Any, item: str) -> None:
+def set_dotted(tree: dict, parts: list[str], value: Any, item: str) -> None:
     """Set tree[a][b]... = value; a part that names a list takes an index (`ingest.sources.0.max_records`)."""
     node: Any = tree
     for i, part in enumerate(parts):
@@ -165,7 +165,7 @@ def load_config(model: type[T], path: str | Path | None = None, overrides: Seque
     overridden: dict[str, str] = {}
     for item in overrides:
         parts, value = parse_override(item)
-        _set_dotted(tree, parts, value, item)
+        set_dotted(tree, parts, value, item)
         overridden[".".join(parts)] = item
     if section is not None:
         tree = tree.get(section) or {}

@@ -88,7 +88,7 @@ def train_progress(files: storage.Mirror):
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """Workers run elsewhere (another cwd, another node with the same shared paths): absolute paths or URIs."""
-    absolute = lambda p: p if storage.is_uri(p) else p.resolve()  # noqa: E731
+    absolute = storage.absolute
     data = {k: absolute(getattr(cfg.data, k)) for k in ("shards", "pipeline") if getattr(cfg.data, k)}
     init = cfg.model.init_from.resolve() if cfg.model.init_from else None
     return cfg.model_copy(update={"out_dir": absolute(cfg.out_dir), "target": cfg.target.resolve(),
