@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from infer.generate import SpecSettings
-from pipeline.cluster import ensure_ray
+from pipeline.cluster import check_shared, ensure_ray
 from pipeline import storage
 from pipeline.yaml_config import (ExistingPath, InputLocation, Location, ModelDtype, StrictModel,
                                   config_arguments, errors_exit, load_or_exit)
@@ -36,7 +36,7 @@ class Sweep(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    target: ExistingPath = Field(description="the target's Hugging Face folder")
+    target: InputLocation = Field(description="the target's Hugging Face folder or a URI")
     head: InputLocation = Field(description="a head folder or a URI")
     out_dir: Location = Field(Path("runs/eval"), description="report.json, report.md, plots: folder or URI")
     benchmarks: list[Bench] = Field(description="the benchmarks to run")
@@ -67,7 +67,7 @@ class EvalWorker:
         if threads:
             torch.set_num_threads(threads)
         device = "cuda" if use_gpu else "cpu"
-        self.gen = EagleGenerator.from_folders(target, storage.Mirror.folder(head, "eval"),
+        self.gen = EagleGenerator.from_folders(target, storage.node_copy(head),
                                                dtype=torch_dtype(dtype, device), device=device,
                                                cpu_path=cpu_path)
 
@@ -136,15 +136,17 @@ def evaluate(cfg: EvalConfig) -> dict:
     from infer.report import aggregate, write_report
 
     storage.check("head", cfg.head, must_exist=True)  # before any work: one line naming the key
+    storage.check("target", cfg.target, must_exist=True)
     storage.check("out_dir", cfg.out_dir, writable=True)
     print(f"eval: {ensure_ray(cfg.ray_address)}", flush=True)
+    check_shared({"target": cfg.target, "head": cfg.head})  # the actors' (the report is written here)
     items = load_items(cfg)
     # An actor lost with its node is restarted and its prompt decoded again (each prompt's record is
     # written once, by the call that returns); its constructor's arguments are strings, passed inline.
     worker = ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor, resources=cfg.resources_per_actor,
                         max_restarts=-1, max_task_retries=-1)(EvalWorker)
     head = str(storage.absolute(cfg.head))
-    actors = [worker.remote(str(cfg.target.resolve()), head, cfg.threads_per_actor,
+    actors = [worker.remote(str(storage.absolute(cfg.target)), head, cfg.threads_per_actor,
                             cfg.gpus_per_actor > 0, cfg.dtype, cfg.decode.cpu_path)
               for _ in range(cfg.num_actors)]
     print(f"eval: {ray.get(actors[0].path_line.remote())}", flush=True)
@@ -152,7 +154,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     settings = cfg.decode.model_dump()
     jobs = [(name, it) for name, its in items.items() for it in its]
     compare = cfg.compare_fixed and cfg.decode.sizing == "adaptive" and cfg.decode.mode != "vanilla"
-    report = {"target": str(cfg.target), "head": storage.redact(cfg.head), "settings": settings,
+    report = {"target": storage.redact(cfg.target), "head": storage.redact(cfg.head), "settings": settings,
               "benchmarks": aggregate(run_items(pool, jobs, settings, "eval", compare), cfg.decode.depth)}
     if cfg.sweep.enabled:
         sub = [(name, it) for name, its in items.items() for it in its[: cfg.sweep.prompts]]

@@ -1,8 +1,8 @@
 """eagleray flywheel CONFIG.yaml [key=value ...] — one round of learning from served traffic.
 
 Against a running endpoint (infer/serve.py with `traffic_log` on), a round runs six steps into
-work_dir/round-NNN/, each recorded in its state.json when it ends, so a round cut short resumes at the step it
-was in and a finished round is never redone:
+work_dir/round-NNN/ (work_dir: a folder or a URI), each recorded in its state.json when it ends, so a round cut
+short resumes at the step it was in and a finished round is never redone:
   log       the traffic log's files no earlier round used, copied into the round (waits for min_records)
   pipeline  ingest them (`format: served`, the latest `held_out` share kept apart), tokenize, capture, vocab
   train     warm start from the serving head, the new shards mixed with a replayed share of the old ones
@@ -10,11 +10,14 @@ was in and a finished round is never redone:
   swap      POST /v1/admin/head on the endpoint when the gate promotes (infer/head_swap.py)
   report    the round's figures: report.json in the round, one line per round in work_dir/report.md
 The base pipeline and trainer YAMLs give every setting a round does not own (target, capture, model, optim).
+Every location a round names (its folders, the heads, the replayed shards) is a URI when work_dir is one, else
+an absolute path; on a Ray cluster of several nodes a local work_dir is refused before any work.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -24,15 +27,15 @@ from pydantic import Field
 from infer.eval import Bench
 from infer.generate import SpecSettings
 from pipeline import storage
-from pipeline.yaml_config import (ExistingPath, InputLocation, StrictModel, config_arguments, errors_exit,
-                                  load_config, load_or_exit, set_dotted)
+from pipeline.yaml_config import (ExistingPath, InputLocation, Location, StrictModel, config_arguments, errors_exit,
+                                  load_config, load_or_exit, parse_override, set_dotted)
 
 STEPS = ("log", "pipeline", "train", "gate", "swap", "report")
 
 
 class FlywheelReplay(StrictModel):
-    shards: ExistingPath = Field(description="the serving head's training shards (a capture folder)")
-    tokens: ExistingPath | None = Field(None, description="their tokens.parquet for the vocabulary; null: beside")
+    shards: InputLocation = Field(description="the serving head's training shards (a capture folder or URI)")
+    tokens: InputLocation | None = Field(None, description="their tokens.parquet for the vocabulary; null: beside")
     share: float = Field(0.5, ge=0, lt=1, description="the replayed rows' share of each round's training rows")
 
 
@@ -47,9 +50,9 @@ class FlywheelGate(StrictModel):
 class FlywheelConfig(StrictModel):
     endpoint: str = Field(description="the running endpoint's base URL, e.g. http://127.0.0.1:8000")
     api_key: str | None = Field(None, description="its Bearer key; null: $EAGLERAY_API_KEY if set")
-    work_dir: Path = Field(Path("runs/flywheel"), description="round-NNN/ folders and report.md")
+    work_dir: Location = Field(Path("runs/flywheel"), description="round-NNN/ folders and report.md: folder or URI")
     traffic: InputLocation | None = Field(None, description="the traffic log folder; null: the endpoint's /health")
-    serving_head: ExistingPath | None = Field(None, description="the serving head's folder; null: /health's")
+    serving_head: InputLocation | None = Field(None, description="the serving head's folder or URI; null: /health's")
     min_records: int = Field(32, gt=0, description="a round waits until this many new served records exist")
     held_out: float = Field(0.2, gt=0, lt=1, description="the latest share of the records, kept for the gate")
     pipeline: ExistingPath = Field(description="base pipeline YAML (target, tokenize, capture, vocab)")
@@ -80,20 +83,30 @@ def endpoint_call(cfg: FlywheelConfig, path: str, body: dict | None = None, time
         return e.code, json.loads(e.read() or b"{}")
 
 
-class Round:
-    """One round's folder and its state.json (the steps done, with what each produced)."""
+def below(root, loc) -> str:
+    """`loc`'s path inside folder `root` ('' when it is not inside), for local paths and URIs alike."""
+    base, sub = str(root).partition("?")[0].rstrip("/") + "/", str(loc).partition("?")[0]
+    return sub[len(base):] if sub.startswith(base) else ""
 
-    def __init__(self, work_dir: Path):
-        done = sorted(work_dir.glob("round-*/state.json"))
-        last = json.loads(done[-1].read_text()) if done else None
+
+class Round:
+    """One round's folder and its state.json (the steps done, with what each produced), in work_dir: a folder
+    (made absolute, so work on other nodes never resolves it in its own working directory) or a URI."""
+
+    def __init__(self, work_dir):
+        self.work_dir = storage.absolute(work_dir)
+        found = storage.expand(storage.join(self.work_dir, "round-*", "state.json"))  # a URI's * spans folders
+        done = [p for p in found if re.fullmatch(r"round-\d+/state\.json", below(self.work_dir, p))]
+        last = json.loads(storage.read_text(done[-1])) if done else None
         n = len(done) if last and "report" not in last["steps"] else len(done) + 1
-        self.dir = work_dir / f"round-{n:03d}"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "state.json"
-        self.state = json.loads(self.path.read_text()) if self.path.is_file() else {"round": n, "steps": {}}
+        self.name = f"round-{n:03d}"
+        self.dir = storage.join(self.work_dir, self.name)
+        self.path = storage.join(self.dir, "state.json")
+        fresh = {"round": n, "steps": {}}
+        self.state = json.loads(storage.read_text(self.path)) if storage.is_file(self.path) else fresh
         # every file an earlier round took, so no record trains two rounds
-        self.used = {f for p in done if p != self.path for f in json.loads(p.read_text())["steps"]
-                     .get("log", {}).get("files", [])}
+        self.used = {f for p in done if below(self.work_dir, p) != f"{self.name}/state.json"
+                     for f in json.loads(storage.read_text(p))["steps"].get("log", {}).get("files", [])}
 
     def run(self, name: str, step, *args) -> dict:
         if name in self.state["steps"]:
@@ -112,7 +125,7 @@ def serving(cfg: FlywheelConfig) -> dict:
     status, health = endpoint_call(cfg, "/health", timeout=30)
     if status != 200:
         raise ValueError(f"endpoint: {cfg.endpoint}/health answered {status}")
-    head = cfg.serving_head or health.get("head")
+    head = storage.absolute(cfg.serving_head) or health.get("head")
     traffic = cfg.traffic or (health.get("traffic_log") or {}).get("path")
     if not head or not traffic:
         raise ValueError("endpoint: serves no head or logs no traffic (set serving_head / traffic, or traffic_log)")
@@ -125,30 +138,46 @@ def step_log(rnd: Round, cfg: FlywheelConfig, now: dict) -> dict:
     if rows < cfg.min_records:
         raise Waiting(f"{rows} new served records in {storage.redact(now['traffic'])}, a round needs {cfg.min_records}")
     for i, f in enumerate(files):
-        storage.write_bytes(rnd.dir / "traffic" / f"{i:05d}-{storage.name(f)}", storage.read_bytes(f))
+        storage.write_bytes(storage.join(rnd.dir, "traffic", f"{i:05d}-{storage.name(f)}"), storage.read_bytes(f))
     return {"files": files, "records": rows, **now}
 
 
-def derived_yaml(base: Path, path: Path, changes: dict) -> Path:
-    """The base YAML with the round's keys set (dotted names), written into the round for provenance."""
+def derived_yaml(base: Path, loc, changes: dict) -> Path:
+    """The base YAML with the round's keys set (dotted names), written at `loc` in the round for provenance
+    (a path or a URI) -> the local copy that is loaded (`loc` itself when local; see `local_yaml`)."""
     tree = yaml.safe_load(base.read_text(encoding="utf-8")) or {}
     for key, value in changes.items():
         set_dotted(tree, key.split("."), value, key)
-    path.write_text(yaml.safe_dump(tree, sort_keys=False))
-    return path
+    copy = storage.Mirror(loc)
+    storage.write_text(copy.local, yaml.safe_dump(tree, sort_keys=False))
+    copy.push()
+    return copy.local
+
+
+def local_yaml(loc) -> Path:
+    """A round's YAML (a path or a URI) as a local file to load: the URI's pulled into its mirror."""
+    return storage.Mirror(loc).pull()
+
+
+def beside(loc, *names: str):
+    """A location in the folder that holds `loc` (a path, made absolute, or a URI)."""
+    if not storage.is_uri(loc):
+        return storage.absolute(loc).parent.joinpath(*names)
+    base, sep, query = loc.partition("?")
+    return storage.join(base.rstrip("/").rsplit("/", 1)[0] + sep + query, *names)
 
 
 def step_pipeline(rnd: Round, cfg: FlywheelConfig) -> dict:
     from pipeline.__main__ import run
     from pipeline.config import PipelineConfig
 
-    tokens = cfg.replay.tokens or cfg.replay.shards.parent / "tokenize" / "tokens.parquet"
-    path = derived_yaml(cfg.pipeline, rnd.dir / "pipeline.yaml", {
-        "run_dir": str(rnd.dir / "data"),
-        "ingest": {"sources": [{"path": str(rnd.dir / "traffic" / "*.parquet"), "format": "served"}],
+    tokens = storage.absolute(cfg.replay.tokens or beside(cfg.replay.shards, "tokenize", "tokens.parquet"))
+    path = derived_yaml(cfg.pipeline, storage.join(rnd.dir, "pipeline.yaml"), {
+        "run_dir": str(storage.join(rnd.dir, "data")),
+        "ingest": {"sources": [{"path": str(storage.join(rnd.dir, "traffic", "*.parquet")), "format": "served"}],
                    "held_out": cfg.held_out, "seed": 0},
         "regenerate.enabled": False,  # the answers are the target's own already
-        "vocab.include": [str(tokens.resolve())] if tokens.is_file() else []})
+        "vocab.include": [str(tokens)] if storage.is_file(tokens) else []})
     summary = run(load_config(PipelineConfig, path, cfg.pipeline_overrides))
     ing = summary["ingest"]
     return {"records": ing["records"], "held_out": ing["held_out"], "rejected": ing["rejected_by_reason"],
@@ -160,13 +189,14 @@ def step_train(rnd: Round, cfg: FlywheelConfig) -> dict:
     from trainer.driver import run_training
 
     head = rnd.state["steps"]["log"]["head"]
-    path = derived_yaml(cfg.trainer, rnd.dir / "trainer.yaml", {
-        "out_dir": str(rnd.dir / "head"), "data.shards": str(rnd.dir / "data" / "capture"),
-        "data.replay": {"shards": str(cfg.replay.shards.resolve()), "share": cfg.replay.share},
+    path = derived_yaml(cfg.trainer, storage.join(rnd.dir, "trainer.yaml"), {
+        "out_dir": str(storage.join(rnd.dir, "head")), "data.shards": str(storage.join(rnd.dir, "data", "capture")),
+        "data.replay": {"shards": str(storage.absolute(cfg.replay.shards)), "share": cfg.replay.share},
         "model.init_from": head})
     tcfg = load_config(TrainConfig, path, cfg.trainer_overrides)
     report = run_training(tcfg)
-    return {"candidate": str((rnd.dir / "head" / f"head_{tcfg.export_formats[0]}").resolve()),
+    # the location the swap POSTs: a URI that replicas on any node pull themselves (infer/head_swap.py)
+    return {"candidate": str(storage.join(storage.absolute(tcfg.out_dir), f"head_{tcfg.export_formats[0]}")),
             "val": {k: v for k, v in (report or {}).items() if isinstance(v, (int, float))}}
 
 
@@ -174,11 +204,12 @@ def step_gate(rnd: Round, cfg: FlywheelConfig) -> dict:
     from infer.gate import GateConfig, run_gate, summary_line
     from pipeline.config import PipelineConfig
 
-    target = load_config(PipelineConfig, rnd.dir / "pipeline.yaml", cfg.pipeline_overrides).target
+    pcfg = load_config(PipelineConfig, local_yaml(storage.join(rnd.dir, "pipeline.yaml")), cfg.pipeline_overrides)
     g = cfg.gate
     result = run_gate(GateConfig(
-        target=target, serving=rnd.state["steps"]["log"]["head"], candidate=rnd.state["steps"]["train"]["candidate"],
-        held_out=rnd.dir / "data" / "ingest" / "held_out.jsonl", held_out_limit=g.held_out_limit,
+        target=pcfg.target, serving=rnd.state["steps"]["log"]["head"],
+        candidate=rnd.state["steps"]["train"]["candidate"],
+        held_out=storage.join(pcfg.stage_dir("ingest"), "held_out.jsonl"), held_out_limit=g.held_out_limit,
         benchmarks=g.benchmarks, decode=g.decode, min_gain=g.min_gain, max_drop=g.max_drop, out_dir=rnd.dir))
     print(summary_line(result), flush=True)
     return {k: result[k] for k in ("sets", "identical", "promote", "reasons")}
@@ -199,18 +230,36 @@ def step_report(rnd: Round, cfg: FlywheelConfig) -> dict:
     line = (f"| {rnd.state['round']} | {steps['log']['records']} | "
             + " | ".join(f"{n} {s['serving_tau']:.2f} -> {s['candidate_tau']:.2f}" for n, s in sets.items())
             + f" | {steps['swap'].get('head_version', 'kept')} | {sum(s['seconds'] for s in steps.values()):.0f} s |")
-    report = cfg.work_dir / "report.md"
-    if not report.is_file():
-        report.write_text("# Flywheel rounds\n\n| round | served records | tau serving -> candidate | serving after "
-                          "| round time |\n|---|---|---|---|---|\n")
-    with report.open("a", encoding="utf-8") as f:
-        f.write(line + "\n")
-    (rnd.dir / "report.json").write_text(json.dumps(rnd.state, indent=2))
+    report = storage.join(rnd.work_dir, "report.md")  # appended as read + written whole: objects have no append
+    old = storage.read_text(report) if storage.is_file(report) else (
+        "# Flywheel rounds\n\n| round | served records | tau serving -> candidate | serving after | round time |\n"
+        "|---|---|---|---|---|\n")
+    if line + "\n" not in old:  # a report step cut short after its write adds no second line
+        storage.write_text(report, old + line + "\n")
+    storage.write_text(storage.join(rnd.dir, "report.json"), json.dumps(rnd.state, indent=2))
     return {"line": line}
+
+
+def check_shared_locations(cfg: FlywheelConfig) -> None:
+    """Before any work, on a Ray cluster of several nodes: a local work_dir (or replay shards, serving head)
+    names a folder only this machine has, where the round's trainer workers and gate actors on other nodes
+    read and write. Refused in one line naming the key. Ray is joined only when a cluster is named (the
+    pipeline's ray_address, else $RAY_ADDRESS: the Ray the round's stages join); a local Ray is one node."""
+    given = [value for parts, value in map(parse_override, cfg.pipeline_overrides) if parts == ["ray_address"]]
+    base = (yaml.safe_load(cfg.pipeline.read_text(encoding="utf-8")) or {}).get("ray_address")
+    address = (given or [base])[-1] or os.environ.get("RAY_ADDRESS")
+    locs = {"work_dir": cfg.work_dir, "replay.shards": cfg.replay.shards, "serving_head": cfg.serving_head}
+    if not address or all(loc is None or storage.is_uri(loc) for loc in locs.values()):
+        return
+    from pipeline.cluster import check_shared, ensure_ray
+
+    print(f"[flywheel] {ensure_ray(address)}", flush=True)
+    check_shared(locs)
 
 
 def run_round(cfg: FlywheelConfig) -> dict:
     """One round (or the rest of one cut short) -> its state; raises Waiting when traffic is short."""
+    check_shared_locations(cfg)
     rnd = Round(cfg.work_dir)
     now = None if "log" in rnd.state["steps"] else serving(cfg)
     rnd.run("log", step_log, cfg, now)

@@ -18,18 +18,19 @@ from pydantic import Field
 from infer.eval import Bench, EvalWorker
 from infer.generate import SpecSettings
 from pipeline import storage
-from pipeline.cluster import ensure_ray
-from pipeline.yaml_config import (ExistingPath, InputLocation, Location, ModelDtype, StrictModel,
-                                  config_arguments, errors_exit, load_or_exit)
+from pipeline.cluster import check_shared, ensure_ray
+from pipeline.yaml_config import (InputLocation, Location, ModelDtype, StrictModel, config_arguments, errors_exit,
+                                  load_or_exit)
 
 HELD_OUT = "traffic"  # the held-out served records' name in gate.json
 
 
 class GateConfig(StrictModel):
-    target: ExistingPath = Field(description="the target's Hugging Face folder")
+    target: InputLocation = Field(description="the target's Hugging Face folder or a URI")
     serving: InputLocation = Field(description="the head the endpoint serves now: folder or URI")
     candidate: InputLocation = Field(description="the head that would replace it: folder or URI")
-    held_out: ExistingPath | None = Field(None, description="held-out served records (ingest's held_out.jsonl)")
+    held_out: InputLocation | None = Field(None, description="held-out served records (ingest's held_out.jsonl): "
+                                                              "file or URI")
     held_out_limit: int | None = Field(None, gt=0, description="held-out records used; null: all")
     benchmarks: list[Bench] = Field([], description="benchmarks no head may fall on")
     decode: SpecSettings = SpecSettings(sizing="fixed", max_new_tokens=64)
@@ -52,11 +53,12 @@ class GateWorker(EvalWorker):
 
         super().__init__(target, serving, threads, False, dtype)
         self.serving = self.gen
-        cand = storage.Mirror.folder(candidate, "gate")
+        cand = storage.node_copy(candidate)
         try:
             self.candidate = self.serving.with_head(cand)
         except ValueError:  # other aux layers: a target runner of its own
-            self.candidate = EagleGenerator.from_folders(target, cand, dtype=torch_dtype(dtype, "cpu"))
+            self.candidate = EagleGenerator.from_folders(storage.node_copy(target), cand,
+                                                         dtype=torch_dtype(dtype, "cpu"))
 
     def run(self, name: str, item: dict, settings: dict) -> dict:
         s = SpecSettings(**settings)
@@ -70,10 +72,11 @@ class GateWorker(EvalWorker):
         return out
 
 
-def held_out_items(path: Path, limit: int | None) -> list[dict]:
-    """Held-out served records -> prompts: each record's messages up to (not with) its last answer."""
+def held_out_items(loc, limit: int | None) -> list[dict]:
+    """Held-out served records (a file or a URI) -> prompts: each record's messages up to (not with) its
+    last answer."""
     items = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in storage.read_text(loc).splitlines():
         if line.strip():
             rec = json.loads(line)
             msgs = rec["messages"]
@@ -126,14 +129,17 @@ def run_gate(cfg: GateConfig) -> dict:
     from ray.util import ActorPool
     from tqdm import tqdm
 
-    for key in ("serving", "candidate"):
-        storage.check(key, getattr(cfg, key), must_exist=True)
+    for key in ("serving", "candidate", "held_out"):
+        if getattr(cfg, key) is not None:
+            storage.check(key, getattr(cfg, key), must_exist=True)
     storage.check("out_dir", cfg.out_dir, writable=True)
+    storage.check("target", cfg.target, must_exist=True)
     sets = prompt_sets(cfg)
     print(f"gate: {ensure_ray(cfg.ray_address)}", flush=True)
+    check_shared({"target": cfg.target, "serving": cfg.serving, "candidate": cfg.candidate})
     worker = ray.remote(num_cpus=cfg.cpus_per_actor, max_restarts=-1, max_task_retries=-1)(GateWorker)
     loc = lambda x: str(storage.absolute(x))  # noqa: E731
-    actors = [worker.remote(str(cfg.target.resolve()), loc(cfg.serving), loc(cfg.candidate),
+    actors = [worker.remote(str(storage.absolute(cfg.target)), loc(cfg.serving), loc(cfg.candidate),
                             cfg.threads_per_actor or int(cfg.cpus_per_actor), cfg.dtype) for _ in range(cfg.num_actors)]
     jobs = [(name, it) for name, items in sets.items() for it in items]
     settings, records = cfg.decode.model_dump(), []

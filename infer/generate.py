@@ -202,6 +202,10 @@ class EagleGenerator:
 
         from pipeline.target import load_model
 
+        from pipeline import storage
+
+        target_dir = storage.node_copy(target_dir)  # a URI's files copied to this node once
+        head_dir = storage.node_copy(head_dir) if head_dir is not None else None
         target, _ = load_model(target_dir, dtype, device.startswith("cuda"))
         tok = AutoTokenizer.from_pretrained(target_dir)
         n_layers = num_layers(target.config)

@@ -96,7 +96,7 @@ def load_slot(slot: Slot, head: str, tag: str, adaptive_top_k: int | None) -> Sl
     from trainer.export import head_version
 
     try:
-        folder = storage.Mirror.folder(head, tag)
+        folder = storage.node_copy(head)
         version = head_version(folder)
         gen = slot.gen.with_head(folder)
     except Exception as err:  # noqa: BLE001 - whatever a bad folder raises (safetensors' own errors too): refused

@@ -32,7 +32,7 @@ from infer.serve_metrics import CONTENT_TYPE, ServeMetrics, scrape
 from infer.traffic_log import TrafficLog
 from pipeline.served import served_row
 from trainer.export import head_version
-from pipeline.cluster import ensure_ray
+from pipeline.cluster import check_shared, ensure_ray
 from pipeline import storage
 from pipeline.yaml_config import config_arguments, load_or_exit
 
@@ -46,7 +46,7 @@ def _load_generator(cfg: ServeConfig):
     if cfg.threads_per_replica:
         torch.set_num_threads(cfg.threads_per_replica)
     device = "cuda" if cfg.num_gpus_per_replica > 0 else "cpu"
-    head = storage.Mirror.folder(cfg.head, "serve") if cfg.head else None  # each replica, on its node
+    head = storage.node_copy(cfg.head) if cfg.head else None  # each replica, on its node
     version = head_version(head) if head else ""
     gen = EagleGenerator.from_folders(cfg.target, head, dtype=torch_dtype(cfg.dtype, device), device=device,
                                       cpu_path=cfg.speculative.cpu_path)
@@ -295,7 +295,9 @@ class EagleServer:
 
 def build_application(cfg: ServeConfig):
     """The `eagleray` backend's Serve application: EagleServer sized from the config."""
-    cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": storage.absolute(cfg.head)})
+    log_path = storage.absolute(cfg.traffic_log.path)  # each replica writes where the driver said, not in its cwd
+    cfg = cfg.model_copy(update={"target": storage.absolute(cfg.target), "head": storage.absolute(cfg.head),
+                                 "traffic_log": cfg.traffic_log.model_copy(update={"path": log_path})})
     return EagleServer.options(
         num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.num_cpus_per_replica, "num_gpus": cfg.num_gpus_per_replica,
@@ -329,7 +331,7 @@ def start(cfg: ServeConfig, blocking: bool = False):
     if cfg.backend == "vllm":
         from infer.serve_vllm import build_vllm_application
 
-        head = storage.Mirror.folder(cfg.head, "serve") if cfg.head else None  # vLLM reads a local folder
+        head = storage.node_copy(cfg.head) if cfg.head else None  # vLLM reads a local folder
         cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": head})
         app = build_vllm_application(cfg)
     else:

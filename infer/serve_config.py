@@ -24,7 +24,7 @@ class VllmServe(VllmEngine):
 class ServeConfig(StrictModel):
     backend: Literal["eagleray", "vllm"] = Field(
         "eagleray", description="eagleray: our tree decoder, batch 1 a replica; vllm: Ray Serve LLM, chains")
-    target: ExistingPath = Field(description="the target's Hugging Face folder")
+    target: InputLocation = Field(description="the target's Hugging Face folder or a URI")
     head: InputLocation | None = Field(None, description="a head folder or URI; null: the target alone")
     model_name: str = Field("eagleray", description="the model name clients send")
     host: str = Field("127.0.0.1", description="address to listen on")

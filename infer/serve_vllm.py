@@ -6,6 +6,10 @@ model_name, host, port, num_replicas, max_ongoing_requests, CPUs/GPUs per replic
 On a CPU-only cluster Ray Serve LLM's default placement asks for a GPU and waits forever; a CPU bundle makes
 it pick vLLM's CPU platform. Its ingress deployment also wants a CPU, which a 2-core box does not have
 beside the engine: `vllm.ingress_num_cpus` (default 0) sets it.
+
+The target and the head may be URIs: each replica copies their files into its own node's cache before its
+engine starts (`NodeCopies`, a Ray Serve LLM callback run in the replica), since a vLLM engine reads local
+folders and a replica may run on any node.
 """
 from __future__ import annotations
 
@@ -13,19 +17,21 @@ import json
 from pathlib import Path
 
 
-def speculative_config(head: Path | None, depth: int, up_to_batch: int | None = None,
+def speculative_config(head, depth: int, up_to_batch: int | None = None,
                        max_num_seqs: int = 1) -> dict | None:
     """vLLM's EAGLE-3 settings for an exported head: a chain of `depth` draft tokens (vLLM drafts chains;
     `method` must be given, vLLM only guesses it from a path containing 'eagle3'). `up_to_batch`: vLLM's
     batch-size schedule drafts `depth` tokens up to that many running sequences and none above
     (`num_speculative_tokens_per_batch_size`, inclusive ranges from 1)."""
+    from pipeline import storage
+
     if head is None:
         return None
-    head = Path(head)
-    if not (head / "config.json").is_file():
-        raise ValueError(f"head: {head} has no config.json (an exported head folder: head_sglang/ or "
-                         f"head_speculators/)")
-    json.loads((head / "config.json").read_text())  # unreadable config: fail here, not in the engine
+    head = storage.absolute(head)
+    if not storage.is_file(storage.join(head, "config.json")):
+        raise ValueError(f"head: {storage.redact(head)} has no config.json (an exported head folder: head_sglang/ "
+                         f"or head_speculators/)")
+    json.loads(storage.read_text(storage.join(head, "config.json")))  # unreadable: fail here, not in the engine
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": int(depth)}
     if up_to_batch is not None and up_to_batch < max_num_seqs:
         spec["num_speculative_tokens_per_batch_size"] = [[1, up_to_batch, int(depth)],
@@ -51,10 +57,38 @@ def llm_config(cfg) -> "object":
         engine["gpu_memory_utilization"] = v.gpu_memory_utilization
     env = v.cpu_env() if cfg.num_gpus_per_replica == 0 else {}
     return LLMConfig(model_loading_config={"model_id": cfg.model_name, "model_source": str(cfg.target)},
+                     callback_config={"callback_class": NodeCopies},
                      engine_kwargs=engine, placement_group_config={"bundles": [bundle]},
                      deployment_config={"num_replicas": cfg.num_replicas,
                                         "max_ongoing_requests": cfg.max_ongoing_requests},
                      runtime_env={"env_vars": env} if env else None)
+
+
+def _node_copies(llm_config) -> None:
+    from pipeline import storage
+
+    loading = llm_config.model_loading_config
+    loading.model_source = str(storage.node_copy(loading.model_source))
+    spec = llm_config.engine_kwargs.get("speculative_config")
+    if spec:
+        spec["model"] = str(storage.node_copy(spec["model"]))
+    llm_config._engine_config = None  # built from the driver's locations: build it again from the copies
+
+
+def _callback_base():
+    from ray.llm._internal.common.callbacks.base import CallbackBase
+
+    return CallbackBase
+
+
+class NodeCopies(_callback_base()):
+    """Before the replica's engine starts, on the replica's node: the target and the head copied there from
+    their URIs (`storage.node_copy`; a local path stays as it is) and the engine pointed at the copies."""
+
+    async def on_before_node_init(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(_node_copies, self.llm_config)
 
 
 def build_vllm_application(cfg):

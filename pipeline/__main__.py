@@ -11,7 +11,7 @@ import json
 import time
 
 from pipeline import storage
-from pipeline.cluster import ensure_ray, ray_data_settings
+from pipeline.cluster import check_shared, ensure_ray, ray_data_settings
 from pipeline.yaml_config import config_arguments, errors_exit, load_or_exit
 from pipeline.config import Ingest, PipelineConfig
 
@@ -55,13 +55,17 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
     from pipeline.vocab import run_vocab
 
     storage.check("run_dir", cfg.run_dir, writable=True)
+    storage.check("target", cfg.target, must_exist=True)
     if cfg.ingest.enabled:  # every source found before any work (a URI's bucket, a glob's files)
         for i, s in enumerate(cfg.ingest.sources):
             source_files(f"ingest.sources.{i}.path", s.path)
     mirror, remote = storage.Mirror(cfg.run_dir), cfg.run_dir
     provenance = json.loads(cfg.model_dump_json())
-    cfg = cfg.model_copy(update={"run_dir": mirror.local})
+    cfg = cfg.model_copy(update={"run_dir": mirror.local, "target": storage.absolute(cfg.target)})
     print(f"pipeline: {ensure_ray(cfg.ray_address)}; run_dir={storage.redact(remote)}", flush=True)
+    # what Ray tasks on other nodes read or write: URIs on a cluster that shares no disk
+    check_shared({"run_dir": remote, "target": cfg.target, "vocab.include": cfg.vocab.include,
+                  "ingest.sources": [s.path for s in cfg.ingest.sources] if cfg.ingest.enabled else []})
     ray_data_settings()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "pipeline_config.json").write_text(json.dumps(provenance, indent=2))
@@ -74,7 +78,7 @@ def run(cfg: PipelineConfig, plan_only: bool = False, inspect_n: int = 0) -> dic
         log("ingest", {k: v for k, v in summary["ingest"].items() if k != "sources"}, t0)
     if cfg.regenerate.enabled:
         summary["regenerate"] = run_regenerate(cfg.regenerate, cfg.target, records, cfg.stage_dir("regenerate"),
-                                               cfg.chat)
+                                               cfg.chat, parts_at=storage.join(remote, "regenerate"))
         records = cfg.stage_dir("regenerate") / "records.jsonl"
         mirror.push("regenerate")
         log("regenerate", summary["regenerate"], t0)

@@ -182,7 +182,8 @@ def write_manifest(out_dir, ranges, signature: dict, target: Path, provenance: d
     toks = sum(s["tokens"] for s in shards)
     h, dtype = signature["hidden_size"], signature["dtype"]
     width = bytes_per_token(dtype, 3 * h, 3) + bytes_per_token(dtype, h)
-    manifest = dict(signature, target=str(Path(target).resolve()), rows=sum(s["rows"] for s in shards), tokens=toks,
+    manifest = dict(signature, target=storage.redact(storage.absolute(target)), rows=sum(s["rows"] for s in shards),
+                    tokens=toks,
                     bytes=sum(s["bytes"] for s in shards), raw_hidden_bytes=toks * width, shards=shards,
                     pipeline_config=provenance or {})
     storage.write_text(storage.join(out_dir, MANIFEST), json.dumps(manifest, indent=2))

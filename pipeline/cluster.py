@@ -179,3 +179,21 @@ def check_actor_cpus(key: str, num_actors: int, cpus_per_actor: float) -> None:
                          f"cluster for Ray Data's own tasks, so the job would wait forever; give the actors at most "
                          f"{max(0.0, total - 1):g} CPU in all (an actor's torch / vLLM threads may still use "
                          f"more cores)")
+
+
+def node_count() -> int:
+    """Live nodes of the Ray this process is connected to (1 when it is not connected)."""
+    import ray
+
+    return sum(1 for n in ray.nodes() if n.get("Alive")) if ray.is_initialized() else 1
+
+
+def check_shared(locations: dict) -> None:
+    """On a multi-node cluster, every location in `locations` (config key -> location) that work on other
+    nodes reads or writes must be a URI or under a declared shared mount (pipeline/storage.py check_shared)."""
+    from pipeline import storage
+
+    nodes = node_count()
+    for key, loc in locations.items():
+        for i, one in enumerate(loc if isinstance(loc, (list, tuple)) else [loc]):
+            storage.check_shared(key if not isinstance(loc, (list, tuple)) else f"{key}.{i}", one, nodes)

@@ -143,7 +143,7 @@ class Vocab(StrictModel):
 class PipelineConfig(StrictModel):
     run_dir: Location = Field(
         Path("runs/pipeline"), description="a folder or a URI (s3://bucket/prefix), a subfolder per stage")
-    target: ExistingPath = Field(description="the target's Hugging Face folder")
+    target: InputLocation = Field(description="the target's Hugging Face folder or a URI")
     ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
     ingest: Ingest = Field(default_factory=lambda: Ingest(enabled=False))
     chat: ChatTemplate = ChatTemplate()

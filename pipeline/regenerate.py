@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
+from pipeline import storage
 from pipeline.cluster import check_actor_cpus
 from pipeline.progress import progress_bar
 from pipeline.config import ChatTemplate, Regenerate
@@ -49,9 +50,11 @@ class TurnRegenerator:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
-        # Chunk mode (run_regenerate): {"records", "out_dir", "fingerprint"}; each input row names a chunk.
+        # Chunk mode (run_regenerate): {"records" (a table, through the object store), "out_dir" (a location
+        # every node reaches), "fingerprint"}; each input row names a chunk.
         self.parts = parts
-        self.records = read_records_table(Path(parts["records"])) if parts else None
+        self.records = parts["records"] if parts else None
+        target = str(storage.node_copy(target))  # this node's copy of a URI's files
         # Ray starts an actor with OMP_NUM_THREADS = its logical CPUs (1 here): without this an engine
         # runs one thread whatever cores the node has (measured: vLLM at 100% of one core of two).
         if cfg.threads_per_actor:
@@ -111,7 +114,7 @@ class TurnRegenerator:
         for index, start, end in zip(batch["index"], batch["start"], batch["end"]):
             part = self.records.slice(int(start), int(end) - int(start))
             table = self.regenerate({"id": part["id"].to_pylist(), "messages": part["messages"].to_pylist()})
-            write_part(table, Path(self.parts["out_dir"]), int(index), self.parts["fingerprint"])
+            write_part(table, self.parts["out_dir"], int(index), self.parts["fingerprint"])
         return {"index": batch["index"]}
 
     def regenerate(self, batch: dict) -> pa.Table:
@@ -218,32 +221,37 @@ PARTS = "parts"
 PART_META = b"eagleray_regenerate"
 
 
-def part_path(out_dir: Path, index: int) -> Path:
-    return out_dir / PARTS / f"part-{index:05d}.parquet"
+def part_path(out_dir, index: int):
+    return storage.join(out_dir, PARTS, f"part-{index:05d}.parquet")
 
 
-def write_part(table: pa.Table, out_dir: Path, index: int, fingerprint: str) -> None:
-    """One finished chunk, under a temp name then renamed: a part file that exists is complete."""
-    path = part_path(out_dir, index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table.replace_schema_metadata({PART_META: fingerprint.encode()}), tmp)
-    tmp.replace(path)
+def write_part(table: pa.Table, out_dir, index: int, fingerprint: str) -> None:
+    """One finished chunk at the stage's location (a URI on a cluster: written by whichever node ran it,
+    read by the driver), whole or not at all (storage.write_bytes)."""
+    buf = pa.BufferOutputStream()
+    pq.write_table(table.replace_schema_metadata({PART_META: fingerprint.encode()}), buf)
+    storage.write_bytes(part_path(out_dir, index), buf.getvalue().to_pybytes())
 
 
-def part_done(out_dir: Path, index: int, fingerprint: str) -> bool:
-    path = part_path(out_dir, index)
-    return path.is_file() and (pq.read_schema(path).metadata or {}).get(PART_META) == fingerprint.encode()
+def done_parts(out_dir, fingerprint: str) -> set[int]:
+    """Indexes of the chunks finished with this fingerprint (one listing, then each part's footer)."""
+    folder = storage.join(out_dir, PARTS)
+    done = set()
+    for name in storage.list_names(folder, "part-*.parquet"):
+        meta = storage.parquet_file(storage.join(folder, name)).schema_arrow.metadata or {}
+        if meta.get(PART_META) == fingerprint.encode():
+            done.add(int(name[len("part-"):-len(".parquet")]))
+    return done
 
 
-def _fingerprint(cfg: Regenerate, chat: ChatTemplate, target: Path, records: Path) -> str:
+def _fingerprint(cfg: Regenerate, chat: ChatTemplate, target, records: Path) -> str:
     # What decides the answers; pool sizes and threads do not (beyond float reduction order).
     h = hashlib.sha256(cfg.model_dump_json(exclude={"num_actors", "num_cpus_per_actor", "batch_size",
                                                     "threads_per_actor"}).encode())
     if chat.kwargs():
         h.update(chat.model_dump_json().encode())
-    h.update(str(Path(target).resolve()).encode())
-    h.update((Path(target) / "config.json").read_bytes())
+    h.update(storage.redact(storage.absolute(target)).encode())
+    h.update((storage.node_copy(target) / "config.json").read_bytes())
     h.update(weights_id(target).encode())  # a target retrained in place writes other answers
     h.update(records.read_bytes())
     return h.hexdigest()
@@ -269,9 +277,13 @@ def split_served(records: Path, out_dir: Path) -> tuple[Path, list[str]]:
     return rest, served
 
 
-def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
-                   chat: ChatTemplate = ChatTemplate()) -> dict:
+def run_regenerate(cfg: Regenerate, target, records: Path, out_dir: Path,
+                   chat: ChatTemplate = ChatTemplate(), parts_at=None) -> dict:
+    """`records` and `out_dir` are the driver's; the chunks go to `parts_at` (default out_dir), a location
+    every node reaches (the run_dir's URI on a cluster), so a chunk written on any node counts, and a
+    resubmitted job reuses the chunks finished there."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    parts_at = out_dir if parts_at is None else parts_at
     records, served = split_served(records, out_dir)
     stats_path, fp = out_dir / "stats.json", _fingerprint(cfg, chat, target, records)
     if served:  # the output holds them too: other served records, another output
@@ -280,17 +292,19 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
         old = json.loads(stats_path.read_text())
         if old.get("fingerprint") == fp:  # same input, same settings: the finished output stands
             return old | {"reused": True}
-    n = read_records_table(records).num_rows
+    table = read_records_table(records)
+    n = table.num_rows
     # Chunks of 4 engine batches, each written as a part when done: a rerun after a kill does the rest only.
     chunk = cfg.batch_size * 4
     ranges = [(i, s, min(s + chunk, n)) for i, s in enumerate(range(0, n, chunk))]
-    todo = [r for r in ranges if not part_done(out_dir, r[0], fp)]
-    parts = {"records": str(records), "out_dir": str(out_dir), "fingerprint": fp}
+    finished = done_parts(parts_at, fp)
+    todo = [r for r in ranges if r[0] not in finished]
+    parts = {"records": table, "out_dir": parts_at, "fingerprint": fp}
 
     if todo:
         # Ray Data restarts an actor lost with its node and retries its chunk (docs/ARCHITECTURE.md §12)
         check_actor_cpus("regenerate.num_cpus_per_actor", min(cfg.num_actors, len(todo)), cfg.num_cpus_per_actor)
-        done = lambda: sum(part_done(out_dir, i, fp) for i, _, _ in ranges)  # noqa: E731
+        done = lambda: len(done_parts(parts_at, fp) & {i for i, _, _ in ranges})  # noqa: E731
         pending = [{"index": i, "start": s, "end": e} for i, s, e in todo]
         with progress_bar("regenerate", len(ranges), done, unit="chunk"):
             ray.data.from_items(pending, override_num_blocks=len(pending)).map_batches(
@@ -304,7 +318,8 @@ def run_regenerate(cfg: Regenerate, target: Path, records: Path, out_dir: Path,
         for line in f:
             rec = json.loads(line)
             sources[rec["id"]] = rec["source"]
-    rows = pa.concat_tables([pq.read_table(part_path(out_dir, i)) for i, _, _ in ranges]).to_pylist() if ranges else []
+    rows = pa.concat_tables([storage.read_table(part_path(parts_at, i)) for i, _, _ in ranges]).to_pylist() \
+        if ranges else []
     counts = {"success": 0, "skipped": 0, "errored": 0, "dropped": 0}
     reasons: dict[str, int] = {}
     tmp = out_dir / ".records.jsonl.tmp"

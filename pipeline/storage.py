@@ -7,7 +7,10 @@ scheme=http&access_key=...&secret_key=...`) or from the environment as the AWS t
 
 Stages keep computing on local folders: a URI has a `Mirror`, a local folder on each node (under
 $EAGLERAY_CACHE, default ~/.cache/eagleray) that its files are pulled into and pushed from. What actors on
-any node write (capture shards, Ray Train checkpoints) goes to the URI directly.
+any node write (capture shards, regeneration's chunks, Ray Train checkpoints) goes to the URI directly.
+A folder a process reads whole (a target, a head) is `node_copy`: the node that needs it copies it from the
+URI into its own cache, once per content. On a cluster of several nodes a local path is refused
+(`check_shared`) unless it lies under a mount the user declares shared (EAGLERAY_SHARED_PATHS).
 """
 from __future__ import annotations
 
@@ -287,22 +290,6 @@ class Mirror:
             fs, path = filesystem(join(self.loc, rel) if rel else self.loc)
             pafs.copy_files(str(src), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
-    @staticmethod
-    def folder(loc, tag: str = "") -> Path:
-        """A folder to read locally (a head, say): `loc` itself, or a URI's files pulled into a folder of
-        this process's own (removed when it exits), so replicas on one machine never read a half-pulled copy."""
-        if not is_uri(loc):
-            return Path(loc).resolve()
-        import atexit
-        import tempfile
-
-        root = cache_root() / "pulled"
-        root.mkdir(parents=True, exist_ok=True)
-        mirror = Mirror(loc)
-        mirror.local = Path(tempfile.mkdtemp(prefix=f"{tag or 'copy'}-", dir=root))
-        atexit.register(shutil.rmtree, mirror.local, True)
-        return mirror.pull()
-
     def write_text(self, rel: str, text: str) -> None:
         """Write a file here and push it to the URI."""
         path = self.local / rel
@@ -315,3 +302,64 @@ class Mirror:
         (self.local / rel).unlink(missing_ok=True)
         if self.remote:
             delete(join(self.loc, rel))
+
+
+def listing(loc) -> list[tuple[str, int, int]]:
+    """(name relative to folder `loc`, size, mtime in ns) of every file under it, sorted: a folder's identity
+    without reading it (a URI's times are the store's, the same from every node)."""
+    fs, path = filesystem(loc)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    return sorted((i.path[len(path):].lstrip("/"), i.size or 0, i.mtime_ns or 0)
+                  for i in infos if i.type == pafs.FileType.File)
+
+
+def node_copy(loc) -> Path:
+    """A folder (a target, a head) as a local folder on this node: a local path as it is (made absolute);
+    a URI's files copied into cache_root()/nodes/, keyed by the URI and its listing (names, sizes, times),
+    so a folder rewritten at the same URI gets a copy of its own. Made once per node and content: a file
+    lock keeps processes on one node from copying it twice, and a copy is used only once complete (its
+    `.complete` marker written last). Never removed by the process: a restarted replica or a vLLM engine
+    started later on the node finds it."""
+    if not is_uri(loc):
+        return Path(loc).resolve()
+    import fcntl
+    import json
+
+    fs, path = filesystem(loc)
+    files = listing(loc)
+    if not files:
+        raise StorageError(f"{redact(loc)}: no files there")
+    key = hashlib.sha256(json.dumps([redact(loc), files]).encode()).hexdigest()[:16]
+    root = cache_root() / "nodes"
+    dst = root / f"{name(loc)}-{key}"
+    if (dst / ".complete").is_file():
+        return dst
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{dst.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dst / ".complete").is_file():
+            shutil.rmtree(dst, ignore_errors=True)  # a copy cut short by a killed process
+            dst.mkdir(parents=True)
+            pafs.copy_files(path, str(dst), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+            (dst / ".complete").write_text("")
+    return dst
+
+
+def shared_paths() -> list[Path]:
+    """Local folders the user declares shared by every node (EAGLERAY_SHARED_PATHS, ':'-separated: an NFS
+    mount, say)."""
+    return [Path(p).resolve() for p in os.environ.get("EAGLERAY_SHARED_PATHS", "").split(os.pathsep) if p]
+
+
+def check_shared(key: str, loc, nodes: int) -> None:
+    """On a cluster of `nodes` > 1, a location that work on other nodes reads or writes must be a URI (or lie
+    under a declared shared mount): a local path names a file only this machine has. Raises StorageError
+    naming `key`."""
+    if loc is None or nodes <= 1 or is_uri(loc):
+        return
+    path = Path(str(loc).partition("*")[0]).resolve()
+    if any(path == s or s in path.parents for s in shared_paths()):
+        return
+    raise StorageError(f"{key}: {loc} is a local path, and this Ray cluster has {nodes} nodes that do not "
+                       f"share this machine's disk: give a URI (s3://...) or declare a shared mount in "
+                       f"EAGLERAY_SHARED_PATHS")

@@ -1,5 +1,7 @@
 """What every stage needs to know about a target (docs/ARCHITECTURE.md §4), read in one place.
 
+- A target is a local folder or a URI: every reader here takes either, a URI's files copied once to the
+  node that reads them (`storage.node_copy`), so Ray actors on any node pass the location, never a path.
 - `TargetSpec.read(folder)`: the target's facts read once from its folder (config, tokenizer, weight files):
   layers, hidden size, vocab, architecture, context, the hashes that identify it. Every stage takes one.
 - `text_config(cfg)`: the language model's config of any HF config (multimodal wrappers included).
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 import pipeline.cluster  # noqa: F401  (environment defaults, DeepSpeed's accelerator among them, before transformers)
+from pipeline import storage
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class TargetSpec:
 
         from transformers import AutoConfig, AutoTokenizer
 
-        folder = Path(folder).resolve()
+        loc, folder = folder, storage.node_copy(folder)  # a URI's files copied to this node once
         full = AutoConfig.from_pretrained(folder)
         cfg = text_config(full)
         tok = AutoTokenizer.from_pretrained(folder)
@@ -66,7 +69,7 @@ class TargetSpec:
                    tokenizer_size=len(tok), max_positions=int(getattr(cfg, "max_position_embeddings", None) or 4096),
                    config_sha256=hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
                    chat_template_sha256=hashlib.sha256((tmpl or "").encode()).hexdigest(),
-                   weights_id=weights_id(folder))
+                   weights_id=weights_id(loc))
 
     def aux_layers(self, layer_ids: list[int] | None = None, key: str = "capture.layer_ids") -> list[int]:
         return resolve_aux_layers(self.num_layers, layer_ids, key)
@@ -84,10 +87,9 @@ def weights_id(target) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for f in sorted(Path(target).iterdir()):
-        if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
-            st = f.stat()
-            h.update(f"{f.name}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    for name, size, mtime in storage.listing(target):  # a URI's: the store's times, alike on every node
+        if "/" not in name and Path(name).suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+            h.update(f"{name}\t{size}\t{mtime}\n".encode())
     return h.hexdigest()[:32]
 
 
@@ -117,7 +119,7 @@ def load_model(target, dtype: str | torch.dtype = "auto", use_gpu: bool = False)
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
     if not isinstance(dtype, torch.dtype):
         dtype = torch_dtype(dtype, device)
-    return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval(), device
+    return AutoModelForCausalLM.from_pretrained(storage.node_copy(target), dtype=dtype).to(device).eval(), device
 
 
 # Layer types transformers names in `config.layer_types` that a 4D verify mask can express.

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from pipeline import storage
 from pipeline.config import ChatTemplate, Tokenize
 
 TOKENS_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
@@ -43,7 +44,7 @@ def tokens_max_length(tokens_path) -> int:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(storage.node_copy(path))
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{path}: the tokenizer has no chat template")
     return tok

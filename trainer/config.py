@@ -69,8 +69,8 @@ class Model(StrictModel):
     ttt_length: int = Field(7, ge=1, description="eagle3: training-time-test steps")
     decay: float = Field(0.8, gt=0, le=1, description="eagle3: step s's loss weighs decay ** s")
     intermediate_size: int | None = Field(None, description="the head's MLP width; null: the target's")
-    init_from: ExistingPath | None = Field(
-        None, description="an exported head to start from (the same kind and EAGLE 3.1 options)")
+    init_from: InputLocation | None = Field(
+        None, description="an exported head to start from, folder or URI (same kind, EAGLE 3.1 options)")
     attention: Literal["auto", "flash", "blocked"] = Field(
         "auto", description="eagle3: TTT attention kernel; auto: PyTorch's flash where it runs, else blocked")
     compile: bool = Field(False, description="eagle3: torch.compile the step around the attention")
@@ -175,8 +175,8 @@ class DeepSpeedCfg(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    target: ExistingPath = Field(
-        description="the target's Hugging Face folder (the one the shards came from)")
+    target: InputLocation = Field(
+        description="the target's Hugging Face folder or a URI (the one the shards came from)")
     out_dir: Location = Field(Path("runs/train"), description="a folder or a URI: checkpoints, best, exports")
     data: Data
     model: Model = Model()

@@ -90,8 +90,8 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """Workers run elsewhere (another cwd, another node with the same shared paths): absolute paths or URIs."""
     absolute = storage.absolute
     data = {k: absolute(getattr(cfg.data, k)) for k in ("shards", "pipeline") if getattr(cfg.data, k)}
-    init = cfg.model.init_from.resolve() if cfg.model.init_from else None
-    return cfg.model_copy(update={"out_dir": absolute(cfg.out_dir), "target": cfg.target.resolve(),
+    init = absolute(cfg.model.init_from)
+    return cfg.model_copy(update={"out_dir": absolute(cfg.out_dir), "target": absolute(cfg.target),
                                   "data": cfg.data.model_copy(update=data),
                                   "model": cfg.model.model_copy(update={"init_from": init})})
 
@@ -99,16 +99,20 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
 def run_training(cfg: TrainConfig) -> dict:
     import ray
 
-    from pipeline.cluster import ensure_ray, ray_data_settings
+    from pipeline.cluster import check_shared, ensure_ray, ray_data_settings
 
     cfg = absolute_paths(cfg)
     storage.check("out_dir", cfg.out_dir, writable=True)  # before any work: one line naming the key
+    storage.check("target", cfg.target, must_exist=True)
     if cfg.data.source == "parquet":
         storage.check("data.shards", cfg.data.shards, must_exist=True)
     files = storage.Mirror(cfg.out_dir, "driver")
     files.local.mkdir(parents=True, exist_ok=True)
     files.forget("progress.json")
     where = ensure_ray(cfg.ray_address)
+    # what the workers read and write: URIs on a cluster that shares no disk
+    check_shared({"out_dir": cfg.out_dir, "target": cfg.target, "data.shards": cfg.data.shards,
+                  "model.init_from": cfg.model.init_from})
     ray_data_settings()
     data = training_data(cfg)
     spec = TargetSpec.read(cfg.target)

@@ -116,7 +116,7 @@ def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
     from pipeline.yaml_config import load_config
 
     pcfg = load_config(PipelineConfig, cfg.data.pipeline)
-    if pcfg.target.resolve() != cfg.target.resolve():
+    if storage.absolute(pcfg.target) != storage.absolute(cfg.target):
         raise ValueError(f"data.pipeline: its target {pcfg.target} is not the trainer's target {cfg.target}")
     run_pipeline(pcfg.model_copy(update={"capture": pcfg.capture.model_copy(update={"enabled": False})}))
     # Paths or URIs: capture's actors read the tokens and (hybrid) write the shards where run_dir is.

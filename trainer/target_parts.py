@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pipeline import storage
 from pipeline.target import LogitRule, target_logits
 
 
@@ -77,7 +78,7 @@ class TargetParts:
 def load_target_parts(target: str | Path) -> TargetParts:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    target = Path(target)
+    target = storage.node_copy(target)
     cfg = AutoConfig.from_pretrained(target)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
@@ -100,7 +101,7 @@ def load_target_layers(target: str | Path, layer_ids: list[int]) -> tuple[list[d
 
     from pipeline.target import decoder_layers
 
-    target = Path(target)
+    target = storage.node_copy(target)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target))
     layers = decoder_layers(model)

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from pipeline import storage
 from trainer.head import HeadConfig, head_config_from_target
 from trainer.kinds import build_head
 
@@ -70,13 +71,14 @@ def warm_start_state(state: dict, cfg: HeadConfig, d2t: torch.Tensor, target_lm:
     return out
 
 
-def check_init_from(folder, signature: dict, spec) -> None:
+def check_init_from(loc, signature: dict, spec) -> None:
     """Refuse, in one line, a head to start from that another target or other aux layers trained: its
     vocabulary must be the shards' target's, its hidden states the target's width, its aux layers the
-    shards' (the head reads those layers' states, in that order)."""
+    shards' (the head reads those layers' states, in that order). `loc`: a folder or a URI (node_copy)."""
     from trainer.export import import_head
 
-    state, hcfg, aux = import_head(folder, spec.num_layers)
+    state, hcfg, aux = import_head(storage.node_copy(loc), spec.num_layers)
+    folder = storage.redact(loc)
     if len(state["t2d"]) != spec.vocab_size:
         raise ValueError(f"model.init_from: {folder} drafts for a vocabulary of {len(state['t2d'])} tokens, the "
                          f"shards' target has {spec.vocab_size}")
@@ -203,7 +205,7 @@ def starting_head(model, hcfg: HeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
         head.lm_head.weight.data.copy_(target_lm_rows(target_lm, d2t, hcfg.hidden_size))
     if model.init_from is not None:
         from trainer.export import import_head
-        state, old, _ = import_head(model.init_from, num_layers)
+        state, old, _ = import_head(storage.node_copy(model.init_from), num_layers)  # a folder or a URI
         if (old.kind, old.num_layers) != (hcfg.kind, hcfg.num_layers):
             raise ValueError(f"model.init_from: that head is {old.kind} with {old.num_layers} layer(s); this run "
                              f"trains {hcfg.kind} with {hcfg.num_layers}")

@@ -5,6 +5,7 @@
     eagleray cluster check                  # up, every stage by `ray job submit`, a node lost in each; JSON last
     eagleray cluster check --fault-stages capture,vocab --head-kill   # only those faults; and a lost head
     eagleray cluster check --throughput     # and tokens/s on one worker node against two
+    eagleray cluster up --private-disks     # each worker node with disks of its own (check: on by default)
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ STATE = ROOT / "runs" / "cluster" / "cluster.json"
 
 
 def up(args) -> dict:
-    cluster = LocalCluster(Path(args.dir), workers=args.workers).start()
+    cluster = LocalCluster(Path(args.dir), workers=args.workers, private_disks=args.private_disks).start()
     state = {"root": str(cluster.root), "address": cluster.address, "dashboard": cluster.dashboard,
              "nodes": [n.name for n in cluster.nodes]}
     STATE.parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +49,12 @@ def main(argv=None) -> dict:
                     help="check: the stages to kill a worker node in, one kill each (comma-separated; '' for none)")
     ap.add_argument("--head-kill", action="store_true",
                     help="check: also kill the head mid-capture, start the cluster again and resubmit (~3 min)")
+    ap.add_argument("--private-disks", action=argparse.BooleanOptionalAction, default=None,
+                    help="each worker node in a mount namespace of its own: empty /tmp, $HOME, caches and "
+                         "--dir, the code read-only, as a real cluster's nodes (default: on for check, off for up)")
     args = ap.parse_args(argv)
+    if args.private_disks is None:
+        args.private_disks = args.action == "check"
     unknown = set(filter(None, args.fault_stages.split(","))) - set(FAULT_STAGES)
     if unknown:
         ap.error(f"--fault-stages: unknown {sorted(unknown)}; choose from {','.join(FAULT_STAGES)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -65,8 +66,56 @@ class Node:
     head: bool = False
 
 
-def start_node(node: Node, head_address: str | None = None, env: dict | None = None) -> dict:
-    """`ray start` for one node (the head when head_address is None). -> its addresses (head only)."""
+def under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def image_paths() -> list[str]:
+    """What a node's machine image would hold, the only folders a private-disk node sees of this one's:
+    the code, the venv, the Python the venv was made from (here under $HOME, ~/.pyenv)."""
+    return list(dict.fromkeys(str(Path(p).resolve()) for p in (ROOT, sys.prefix, sys.base_prefix)))
+
+
+def private_paths(root: str, extra=()) -> list[str]:
+    """The folders a private-disk node gets fresh and empty: /tmp, $HOME (~/.cache with it), the store's
+    cache, the cluster's root, `extra`; one inside another is left to it unless an image path lies between."""
+    paths = ["/tmp", str(Path.home()), os.environ.get("EAGLERAY_CACHE"), root, *extra]
+    paths, image = list(dict.fromkeys(str(Path(p).resolve()) for p in paths if p)), image_paths()
+
+    def covered(p: str) -> bool:
+        return any(q != p and under(p, q) and not any(under(k, q) and under(p, k) for k in image)
+                   for q in paths)
+    return [p for p in paths if not covered(p)]
+
+
+def private_disk_script(temp_dir: str, private: list[str]) -> str:
+    """The shell script run in a fresh mount namespace before `ray start` ("$@"): a machine of its own.
+    The image paths are bind-held under a tmpfs on /run first (the tmpfs over /tmp or $HOME hides them),
+    then every mount goes in shallowest first, so an image path inside a private tmpfs is bound back into it
+    read-only, and a private folder inside the (read-only) code gets its tmpfs on top. /dev/shm, Ray's
+    object store, is the node's own too."""
+    q = shlex.quote
+    image = image_paths()
+    hold = "/run" if os.path.isdir("/run") and not any(under("/run", p) for p in private) else "/mnt"
+    lines = ["set -e", f"hold=$(mktemp -d {hold}/eagleray-node-XXXXXX)",
+             'mount -t tmpfs eagleray-hold "$hold"']
+    for i, p in enumerate(image):
+        lines += [f'mkdir "$hold/{i}"', f'mount --bind {q(p)} "$hold/{i}"']
+    targets = [(p, None) for p in private] + [(p, i) for i, p in enumerate(image)]
+    for p, i in sorted(targets, key=lambda t: (t[0].count("/"), t[0])):  # one command a line: `set -e` holds
+        lines += [f"mkdir -p {q(p)}", f"mount -t tmpfs eagleray-node {q(p)}"] if i is None else [
+            f"mkdir -p {q(p)}", f'mount --bind "$hold/{i}" {q(p)}', f"mount -o remount,ro,bind {q(p)}"]
+    lines += [f'umount "$hold/{i}"' for i in range(len(image))]
+    lines += ['umount "$hold"', 'rmdir "$hold"', "mount -t tmpfs eagleray-shm /dev/shm",
+              f"mkdir -p {q(temp_dir)}", 'exec "$@"']
+    return "\n".join(lines)
+
+
+def start_node(node: Node, head_address: str | None = None, env: dict | None = None,
+               private: list[str] | None = None) -> dict:
+    """`ray start` for one node (the head when head_address is None). -> its addresses (head only).
+    `private` (a worker): its mount namespace of its own, those folders fresh and empty, the image paths
+    read-only (`private_disk_script`); its processes stay in it, and a restart gets a new one."""
     ray_bin = str(Path(sys.executable).parent / "ray")
     args = [ray_bin, "start", "--node-ip-address=127.0.0.1", f"--temp-dir={node.temp_dir}",
             f"--num-cpus={node.num_cpus:g}", f"--resources={json.dumps(node.resources)}", "--disable-usage-stats"]
@@ -83,6 +132,11 @@ def start_node(node: Node, head_address: str | None = None, env: dict | None = N
         out = {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}"}
     else:
         args += [f"--address={head_address}", "--dashboard-agent-listen-port=0"]
+    if private is not None and head_address is not None:
+        for p in private:  # a tmpfs goes on a folder; inside the read-only code it must be there already
+            Path(p).mkdir(parents=True, exist_ok=True)
+        args = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                private_disk_script(node.temp_dir, private), "sh", *args]
     res = subprocess.run(args, env=env or ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if res.returncode:
         raise RuntimeError(f"ray start ({node.name}) failed: {res.stderr.strip().splitlines()[-1:]}")
@@ -192,9 +246,14 @@ class LocalCluster:
     """A head and `workers` worker nodes under `root` (one temp dir per node). Context manager: stops on exit."""
 
     def __init__(self, root: Path | None = None, workers: int = 2, head_cpus: float = 1, worker_cpus: float = 2,
-                 object_store_mb: int = 512, env: dict | None = None):
-        """`env`: more environment for every node and job (S3Server.env: the store the nodes share)."""
+                 object_store_mb: int = 512, env: dict | None = None, private_disks: bool = False,
+                 private: list[str] = ()):
+        """`env`: more environment for every node and job (S3Server.env: the store the nodes share).
+        `private_disks`: each worker node sees none of this machine's files but the code (read-only), as a
+        real cluster's nodes would: only the S3 store and Ray itself are shared (`private_paths`, with
+        `private` folders too). The head stays on this machine's disks: it runs the job drivers."""
         self.root = Path(root or tempfile.mkdtemp(prefix="er-cluster-", dir="/tmp"))
+        self.private = private_paths(str(self.root), private) if private_disks else None
         self.env = {**ray_env(), **(env or {})}
         self.nodes = [Node("head", str(self.root / "head"), head_cpus, object_store_mb,
                            {"eagleray_head": 1}, head=True)]
@@ -216,7 +275,7 @@ class LocalCluster:
         self.address, self.dashboard = head["address"], head["dashboard"]
         self.env["RAY_ADDRESS"] = self.address
         for n in self.nodes[1:]:
-            start_node(n, self.address, self.env)
+            start_node(n, self.address, self.env, self.private)
         self.wait_alive(len(self.nodes), wait_s)
         return self
 
@@ -257,7 +316,7 @@ class LocalCluster:
         """Start a node again (a replacement machine joining): its leftover processes are stopped first."""
         node = self.node(name)
         stop_processes((node.temp_dir + "/",))
-        start_node(node, self.address, self.env)
+        start_node(node, self.address, self.env, self.private)
 
     def stop(self) -> list[str]:
         return stop_processes(self.markers)
