@@ -183,6 +183,9 @@ class HeadWatcher:
 
     async def status(self) -> dict:
         seq, head, version = await self.registry.current.remote()
-        return {"replica": self.owner.replica_id, "head_version": self.owner.slot.version, "seq": seq,
+        import ray
+
+        return {"replica": self.owner.replica_id, "node": ray.get_runtime_context().get_node_id(),
+                "head_version": self.owner.slot.version, "seq": seq,
                 "promoted": version or None,
                 "refused": await self.registry.refusals.remote()}

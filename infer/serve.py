@@ -320,9 +320,12 @@ def start(cfg: ServeConfig, blocking: bool = False):
     from pipeline.cluster import verbose
 
     cfg = with_api_key(cfg)
+    storage.check("target", cfg.target, must_exist=True)  # before any work: one line naming the key
     if cfg.head:
-        storage.check("head", cfg.head, must_exist=True)  # before any work: one line naming the key
+        storage.check("head", cfg.head, must_exist=True)
     ensure_ray(cfg.ray_address)
+    # replicas on other nodes read the target and head and append the traffic log: URIs on a cluster
+    check_shared({"target": cfg.target, "head": cfg.head, "traffic_log.path": cfg.traffic_log.path})
     reset_registry(cfg.app_name)  # a new deployment serves its configured head
     if not verbose():  # Serve's start-up INFO lines on the driver (proxy, controller, app deployed)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -331,8 +334,8 @@ def start(cfg: ServeConfig, blocking: bool = False):
     if cfg.backend == "vllm":
         from infer.serve_vllm import build_vllm_application
 
-        head = storage.node_copy(cfg.head) if cfg.head else None  # vLLM reads a local folder
-        cfg = cfg.model_copy(update={"target": cfg.target.resolve(), "head": head})
+        # each replica copies the target and head onto its own node (serve_vllm.NodeCopies)
+        cfg = cfg.model_copy(update={"target": storage.absolute(cfg.target), "head": storage.absolute(cfg.head)})
         app = build_vllm_application(cfg)
     else:
         app = build_application(cfg)

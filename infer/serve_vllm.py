@@ -14,7 +14,6 @@ folders and a replica may run on any node.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 
 def speculative_config(head, depth: int, up_to_batch: int | None = None,

@@ -345,6 +345,15 @@ def node_copy(loc) -> Path:
     return dst
 
 
+def upload(folder, loc) -> int:
+    """Copy a local folder's files to `loc` (a URI or a path), as a user puts a target where every node
+    reads it -> the files copied."""
+    fs, path = filesystem(loc)
+    pafs.copy_files(str(Path(folder).resolve()), path, source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=fs)
+    return len(listing(loc))
+
+
 def shared_paths() -> list[Path]:
     """Local folders the user declares shared by every node (EAGLERAY_SHARED_PATHS, ':'-separated: an NFS
     mount, say)."""

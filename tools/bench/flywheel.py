@@ -94,13 +94,14 @@ def control_head(cfg, rnd, out: Path) -> str:
     """The control: the serving head trained as many steps on its old shards alone (no traffic) -> its folder.
     What the round gains beyond it is the traffic's; the rest is more training."""
     from infer.flywheel import derived_yaml
+    from pipeline import storage
     from trainer.config import TrainConfig
     from trainer.driver import run_training
     from pipeline.yaml_config import load_config
 
-    steps = json.loads((rnd.dir / "head" / "report.json").read_text())["steps"]
+    steps = json.loads(storage.read_text(storage.join(rnd.dir, "head", "report.json")))["steps"]
     path = derived_yaml(cfg.trainer, out / "control.yaml", {
-        "out_dir": str(out / "control"), "data.shards": str(cfg.replay.shards.resolve()),
+        "out_dir": str(out / "control"), "data.shards": str(storage.absolute(cfg.replay.shards)),
         "model.init_from": rnd.state["steps"]["log"]["head"], "max_steps": steps, "epochs": 100})
     tcfg = load_config(TrainConfig, path, cfg.trainer_overrides)
     run_training(tcfg)
