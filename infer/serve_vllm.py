@@ -49,7 +49,8 @@ def llm_config(cfg) -> "object":
                                                        v.max_num_seqs)}
     if v.max_model_len:
         engine["max_model_len"] = v.max_model_len
-    bundle = {"CPU": max(1.0, cfg.num_cpus_per_replica)}
+    # the replica's custom resources too: `{eagleray_worker: 1}` puts one replica on each such node
+    bundle = {"CPU": max(1.0, cfg.num_cpus_per_replica), **cfg.resources_per_replica}
     if cfg.num_gpus_per_replica > 0:
         bundle["GPU"] = cfg.num_gpus_per_replica
     else:

@@ -8,12 +8,16 @@ from infer.cluster.check import FAULT_STAGES, verdict
 from infer.cluster.cli import main
 
 ROWS = {"rows_expected": 64, "rows_found": 64, "duplicates": 0, "digests_equal": True}
-GOOD = {"jobs": {"pipeline": "SUCCEEDED", "trainer": "SUCCEEDED", "eval": "SUCCEEDED", "serve": "SUCCEEDED"},
+GOOD = {"jobs": {"pipeline": "SUCCEEDED", "trainer": "SUCCEEDED", "eval": "SUCCEEDED", "serve": "SUCCEEDED",
+                  "serve_vllm": "SUCCEEDED", "flywheel": "SUCCEEDED"},
         "faults": {**{s: {"job": "SUCCEEDED", "killed": True, "running_at_kill": True, **ROWS}
                       for s in FAULT_STAGES[:5] + ("eval",)},
                    "training": {"job": "SUCCEEDED", "killed": True, "resumed_from_step": 20, "steps_logged_twice": 0,
                                 "exported": True},
-                   "serving": {"job": "SUCCEEDED", "killed": True, "requests_after": 30, "failed_after": 0}}}
+                   "serving": {"job": "SUCCEEDED", "killed": True, "requests_after": 30, "failed_after": 0}},
+        "private_disks_asked": True, "isolation": {"private_disks": True},
+        "serve_vllm": {"failed": 0, "drafts": 12.0, "same_answers_after_restart": True, "replicas_back": True},
+        "flywheel": {"promoted": True, "swapped": True, "replica_nodes": 2, "replicas_on_new_head": 2}}
 
 
 def broken(path, value):
@@ -40,6 +44,20 @@ def test_every_job_succeeded_and_every_output_equal():
     del without_eval["faults"]["eval"]
     assert not verdict(without_eval, list(FAULT_STAGES))  # an asked-for fault that never ran
     assert verdict(without_eval, [s for s in FAULT_STAGES if s != "eval"])
+
+
+def test_a_late_kill_shared_disks_or_a_served_job_short_of_its_goal_fail_the_check():
+    assert not verdict(broken(("faults", "vocab", "running_at_kill"), False), list(FAULT_STAGES))  # after it ended
+    assert not verdict(broken(("isolation", "private_disks"), False), list(FAULT_STAGES))  # asked, not proved
+    assert verdict(broken(("private_disks_asked",), False) | {"isolation": {"private_disks": False}},
+                   list(FAULT_STAGES))
+    assert not verdict(broken(("serve_vllm", "failed"), 1), list(FAULT_STAGES))
+    assert not verdict(broken(("serve_vllm", "drafts"), 0.0), list(FAULT_STAGES))  # the head never drafted
+    assert not verdict(broken(("serve_vllm", "same_answers_after_restart"), False), list(FAULT_STAGES))
+    assert not verdict(broken(("flywheel", "replicas_on_new_head"), 1), list(FAULT_STAGES))  # one replica behind
+    assert not verdict(broken(("flywheel", "replica_nodes"), 1), list(FAULT_STAGES))
+    assert not verdict(broken(("flywheel", "promoted"), False), list(FAULT_STAGES))
+    assert not verdict(broken(("jobs", "flywheel"), "FAILED"), list(FAULT_STAGES))
 
 
 def test_unknown_fault_stage_is_named(capsys):

@@ -1,13 +1,15 @@
 """`eagleray cluster check`: every stage by `ray job submit` on a three-node cluster, with a
 worker node killed (`kill -9` of its raylet) once in the middle of each stage, and each job's status and
 output checked against the undisturbed run's (docs/USAGE.md "On a cluster"). The jobs' configs and their
-submission live in infer/cluster/jobs.py.
+submission live in infer/cluster/jobs.py, the serving jobs and the flywheel round in infer/cluster/serving.py.
 
-Work goes to the worker nodes through their custom resource (`eagleray_worker: 1`: one actor, train worker
-or replica per worker node); the head runs the job drivers. Every stage's data lives on S3 (moto's server,
-`S3Server`, started beside the nodes; each node gets its endpoint and credentials in its environment, as a
-real cluster's nodes would): the corpus, run_dir and shards, the trainer's out_dir with Ray Train's
-checkpoints, the head, the eval report. Only the target and the configs are local files.
+The worker nodes have disks of their own (`LocalCluster(private_disks=True)`, proved by
+infer/cluster/isolation.py before the jobs start): what they share is Ray and S3 (moto's server, `S3Server`;
+each node gets its endpoint and credentials in its environment, as a real cluster's nodes would). Work goes
+to them through their custom resource (`eagleray_worker: 1`: one actor, train worker or replica per worker
+node); the head runs the job drivers. Every stage's data lives on S3: the target, the corpus, run_dir and
+shards, the trainer's out_dir with Ray Train's checkpoints, the heads, the eval report, the served traffic
+and the flywheel's rounds. Only the configs are local files (on the head, where the drivers read them).
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import os
 import time
 from pathlib import Path
 
-from infer.cluster.jobs import (BUCKET, ON_WORKERS, Load, eval_tree, fresh_mirror, latest_step, make_inputs,
-                                node_rss_mb, pipeline_tree, read_json, run_job, running, shard_digests, stop_serve,
-                                throughput, train_tree, write_yaml)
-from infer.cluster.local import LocalCluster, S3Server, free_port
+from infer.cluster.isolation import prove_isolation
+from infer.cluster.jobs import (BUCKET, eval_tree, latest_step, make_inputs, node_rss_mb, pipeline_tree, read_json,
+                                run_job, shard_digests, throughput, train_tree, write_yaml)
+from infer.cluster.local import LocalCluster, S3Server
+from infer.cluster.serving import flywheel, serve_fault, serve_vllm
 from pipeline import storage
 
 PIPELINE_STAGES = ("ingest", "regenerate", "tokenize", "capture", "vocab")
@@ -93,13 +96,13 @@ def compare(found: dict | None, base: dict) -> dict:
 
 def stage_triggers(cl: LocalCluster, sid: str, run_dir: str) -> dict:
     """Per stage: (under way, how far, not yet ended), read from the job's log (each stage logs `[stage]`
-    when it ends) and from what it has written: capture's shards at the URI (3 of 16: mid-way), and
-    regeneration's chunks in the driver's mirror of run_dir on this machine (1 of 4)."""
+    when it ends) and from what it has written at the URI: capture's shards (3 of 16: mid-way) and
+    regeneration's finished chunks (1 of 4)."""
     from pipeline.regenerate import PARTS
 
     log = lambda: cl.job_logs(sid)  # noqa: E731
     shards = lambda: len(storage.list_names(f"{run_dir}/capture", "shard-*.parquet"))  # noqa: E731
-    chunks = lambda: len(list((storage.Mirror(run_dir).local / "regenerate" / PARTS).glob("part-*")))  # noqa: E731
+    chunks = lambda: len(storage.list_names(f"{run_dir}/regenerate/{PARTS}", "part-*"))  # noqa: E731
     after = {"ingest": "pipeline: ", "tokenize": "[regenerate]", "vocab": "[capture]"}
     out = {stage: ((lambda m=mark: m in log()), None, (lambda s=stage: f"[{s}]" not in log()))
            for stage, mark in after.items()}
@@ -116,7 +119,7 @@ def retried(log: str) -> dict:
     return {n: names.count(n) for n in sorted(set(names))}
 
 
-def pipeline_fault(cl: LocalCluster, out: Path, corpus, target: Path, records: int, baseline: dict,
+def pipeline_fault(cl: LocalCluster, out: Path, corpus, target: str, records: int, baseline: dict,
                    stages=PIPELINE_STAGES, regenerate: bool = True, name: str = "pipeline_fault") -> dict:
     """The pipeline again, worker1 killed once in each of `stages` (a stage's kill waits for it to be under
     way); every stage's output against `baseline` (`stage_outputs` of the undisturbed run)."""
@@ -135,7 +138,7 @@ def pipeline_fault(cl: LocalCluster, out: Path, corpus, target: Path, records: i
             for stage in stages if stage in baseline}
 
 
-def train_fault(cl: LocalCluster, out: Path, target: Path, shards: str) -> tuple[str, dict]:
+def train_fault(cl: LocalCluster, out: Path, target: str, shards: str) -> tuple[str, dict]:
     out_dir = f"{BUCKET}/train"
     cfg = write_yaml(out / "train.yaml", train_tree(out_dir, target, shards))
     status, kill = run_job(cl, "trainer", ["python", "-m", "trainer", str(cfg)], out,
@@ -159,7 +162,7 @@ def eval_outputs(out_dir: str) -> dict:
             "digest": _sha(json.dumps(figures, sort_keys=True).encode())} if figures else {}
 
 
-def eval_fault(cl: LocalCluster, out: Path, target: Path, head: str) -> tuple[str, dict]:
+def eval_fault(cl: LocalCluster, out: Path, target: str, head: str) -> tuple[str, dict]:
     """The eval undisturbed, then again with worker1 killed once its actors decode."""
     base_dir, fault_dir = f"{BUCKET}/eval", f"{BUCKET}/eval_fault"
     base = run_job(cl, "eval", ["python", "-m", "infer.eval", str(write_yaml(out / "eval.yaml", eval_tree(
@@ -175,40 +178,7 @@ def eval_fault(cl: LocalCluster, out: Path, target: Path, head: str) -> tuple[st
     return base, res
 
 
-def serve_fault(cl: LocalCluster, out: Path, target: Path, head: str) -> tuple[str, dict]:
-    port, key = free_port(), "cluster-check-key"
-    cfg = write_yaml(out / "serve.yaml", {
-        "target": str(target), "head": str(head), "model_name": "eagleray-check", "host": "127.0.0.1", "port": port,
-        "api_key": key, "num_replicas": 2, "num_cpus_per_replica": 0.5, "threads_per_replica": 1,
-        "resources_per_replica": ON_WORKERS, "proxy_location": "HeadOnly", "default_max_tokens": 12,
-        "speculative": {"mode": "chain", "depth": 3}})
-    status, _ = run_job(cl, "serve", ["python", "-m", "infer.serve", str(cfg), "--detach"], out)
-    deadline = time.time() + 600
-    while time.time() < deadline and running(cl) < 2:
-        time.sleep(2)
-    load = Load(f"http://127.0.0.1:{port}/v1", key, "eagleray-check")
-    load.thread.start()
-    time.sleep(10)
-    t_kill = time.time()
-    cl.kill_node("worker1")
-    time.sleep(4)
-    cl.restart_node("worker1")
-    while time.time() < deadline and running(cl) < 2:
-        time.sleep(1)
-    t_back = time.time()
-    time.sleep(20)
-    load.stop.set()
-    load.thread.join(timeout=90)
-    before = [ok for t0, _, ok in load.log if t0 < t_kill]
-    during = [ok for t0, _, ok in load.log if t_kill <= t0 < t_back]
-    after = [ok for t0, _, ok in load.log if t0 >= t_back]
-    return status, {"killed": True, "requests_before": len(before), "failed_before": before.count(False),
-                    "requests_during": len(during), "failed_during": during.count(False),
-                    "requests_after": len(after), "failed_after": after.count(False),
-                    "down_s": round(t_back - t_kill, 1)}
-
-
-def head_fault(cl: LocalCluster, out: Path, target: Path, corpus, records: int) -> dict:
+def head_fault(cl: LocalCluster, out: Path, target: str, corpus, records: int) -> dict:
     """The head lost mid-capture (`kill -9` of every process of it: GCS, raylet, job driver): Ray has no GCS
     fault tolerance without an external Redis, so the job and the cluster are gone. Start the cluster again,
     submit the same job, and count what the rerun captured against what it found complete at the URI."""
@@ -241,7 +211,7 @@ def head_fault(cl: LocalCluster, out: Path, target: Path, corpus, records: int) 
             "cluster_restart_s": restart_s}
 
 
-def pipeline_faults(cl: LocalCluster, out: Path, corpus, target: Path, records: int, stages, result: dict) -> None:
+def pipeline_faults(cl: LocalCluster, out: Path, corpus, target: str, records: int, stages, result: dict) -> None:
     """One pipeline job with a worker killed in each of the pipeline `stages` asked for, into `result`."""
     on_pipeline = [x for x in stages if x in PIPELINE_STAGES]
     if on_pipeline:
@@ -250,7 +220,7 @@ def pipeline_faults(cl: LocalCluster, out: Path, corpus, target: Path, records: 
         result["retried_by_ray"]["pipeline_fault"] = retried((out / "pipeline_fault.log").read_text())
 
 
-def downstream_faults(cl: LocalCluster, out: Path, target: Path, stages, result: dict) -> None:
+def downstream_faults(cl: LocalCluster, out: Path, target: str, stages, result: dict) -> None:
     """Training (killed or not) on the undisturbed run's shards, then eval and serving from its head."""
     shards, head = f"{BUCKET}/pipeline/capture", f"{BUCKET}/train/head_speculators"
     if "training" in stages:
@@ -267,7 +237,17 @@ def downstream_faults(cl: LocalCluster, out: Path, target: Path, stages, result:
     if "serving" in stages:
         result["jobs"]["serve"], serve = serve_fault(cl, out, target, head)
         result["faults"]["serving"] = {"job": result["jobs"]["serve"], **serve}
-        result["serve_stopped"] = stop_serve(cl)
+        result["serve_stopped"] = serve["serve_stopped"]
+
+
+def served_jobs(cl: LocalCluster, out: Path, target: str, corpus: str, args, result: dict) -> None:
+    """The vllm backend (a worker killed under it) and one flywheel round against the eagleray backend,
+    both from the trained head."""
+    head = f"{BUCKET}/train/head_speculators"
+    if getattr(args, "vllm", True):
+        result["jobs"]["serve_vllm"], result["serve_vllm"] = serve_vllm(cl, out, target, head)
+    if getattr(args, "flywheel", True):
+        result["jobs"]["flywheel"], result["flywheel"] = flywheel(cl, out, target, head, corpus)
 
 
 def run_check(args) -> dict:
@@ -281,21 +261,25 @@ def run_check(args) -> dict:
     records = 64
     stages = [x for x in args.fault_stages.split(",") if x]
     result: dict = {"jobs": {}, "faults": {}, "retried_by_ray": {}, "storage": BUCKET}
+    private = result["private_disks_asked"] = getattr(args, "private_disks", True)
     # No CPU on the head: every task and actor runs on the worker nodes, so a killed worker loses work
-    for s in ("pipeline", "pipeline_fault", "pipeline_head"):
-        fresh_mirror(f"{BUCKET}/{s}")
-    with S3Server() as s3, LocalCluster(Path(args.dir), workers=args.workers, head_cpus=0, env=s3.env) as cl:
+    with S3Server() as s3, LocalCluster(Path(args.dir), workers=args.workers, head_cpus=0, env=s3.env,
+                                        private_disks=private, private=[str(out)]) as cl:
         os.environ.update(s3.env)  # this process reads the results from the same store
+        result["isolation"] = prove_isolation(cl) if private else {"private_disks": False}
         storage.write_bytes(f"{BUCKET}/corpus/train.jsonl", corpus.read_bytes())
         corpus = f"{BUCKET}/corpus/train.jsonl"
+        result["target_files"] = storage.upload(target, f"{BUCKET}/target")
+        target = f"{BUCKET}/target"
         result["nodes"] = len(cl.alive_nodes())
         result["ray_rss_mb_at_start"] = node_rss_mb(cl)
         cfg = write_yaml(out / "pipeline.yaml", pipeline_tree(f"{BUCKET}/pipeline", target, corpus, records))
         result["jobs"]["pipeline"] = run_job(cl, "pipeline", ["python", "-m", "pipeline", str(cfg)], out)[0]
         if result["jobs"]["pipeline"] == "SUCCEEDED":
             pipeline_faults(cl, out, corpus, target, records, stages, result)
-            if {"training", "eval", "serving"} & set(stages):
-                downstream_faults(cl, out, target, stages, result)
+            downstream_faults(cl, out, target, stages, result)
+            if result["jobs"]["trainer"] == "SUCCEEDED":
+                served_jobs(cl, out, target, corpus, args, result)
         if args.head_kill and result["jobs"]["pipeline"] == "SUCCEEDED":
             result["head_fault"] = head_fault(cl, out, target, corpus, records)
         result["check_wall_s"] = round(time.time() - t0, 1)  # the check itself, before --throughput
@@ -307,14 +291,28 @@ def run_check(args) -> dict:
     return result
 
 
+def served_ok(result: dict) -> bool:
+    """The vllm backend answered every request, the same before and after its replica's node was lost, and
+    drafted with the head; the flywheel promoted a head that both replicas, on two nodes, then served."""
+    v, fw = result.get("serve_vllm"), result.get("flywheel")
+    if v is not None and (v.get("failed") or not v.get("drafts") or not v.get("same_answers_after_restart")
+                          or not v.get("replicas_back")):
+        return False
+    return fw is None or bool(fw.get("promoted") and fw.get("swapped") and fw.get("replica_nodes") == 2
+                              and fw.get("replicas_on_new_head") == 2)
+
+
 def verdict(result: dict, stages: list[str]) -> bool:
-    """Every job SUCCEEDED, every asked-for fault landed and its stage's output equals the undisturbed run's."""
+    """Every job SUCCEEDED on the disks asked for, every asked-for fault landed while its stage ran and
+    its stage's output equals the undisturbed run's, the served jobs did what they must."""
     jobs_ok = all(v == "SUCCEEDED" for v in result["jobs"].values())
     faults = result["faults"]
     if set(stages) - set(faults):
         return False
+    if result.get("private_disks_asked") and not result.get("isolation", {}).get("private_disks"):
+        return False
     for stage, f in faults.items():
-        if f.get("job") != "SUCCEEDED" or not f.get("killed"):
+        if f.get("job") != "SUCCEEDED" or not f.get("killed") or f.get("running_at_kill") is False:
             return False
         if stage == "serving":
             if f.get("failed_after") or not f.get("requests_after"):
@@ -325,4 +323,4 @@ def verdict(result: dict, stages: list[str]) -> bool:
         elif not (f.get("digests_equal") and f.get("duplicates") == 0
                   and f.get("rows_found") == f.get("rows_expected")):
             return False
-    return jobs_ok
+    return jobs_ok and served_ok(result)

@@ -6,6 +6,7 @@
     eagleray cluster check --fault-stages capture,vocab --head-kill   # only those faults; and a lost head
     eagleray cluster check --throughput     # and tokens/s on one worker node against two
     eagleray cluster up --private-disks     # each worker node with disks of its own (check: on by default)
+    eagleray cluster check --no-vllm --no-flywheel   # leave out the vllm backend and the flywheel round
 """
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--private-disks", action=argparse.BooleanOptionalAction, default=None,
                     help="each worker node in a mount namespace of its own: empty /tmp, $HOME, caches and "
                          "--dir, the code read-only, as a real cluster's nodes (default: on for check, off for up)")
+    ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
+                    help="check: serve the head on the vllm backend too, a worker killed under it (~4 min)")
+    ap.add_argument("--flywheel", action=argparse.BooleanOptionalAction, default=True,
+                    help="check: one flywheel round against the served endpoint, its swap on both replicas (~5 min)")
     args = ap.parse_args(argv)
     if args.private_disks is None:
         args.private_disks = args.action == "check"

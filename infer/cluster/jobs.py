@@ -31,7 +31,8 @@ def write_yaml(path: Path, tree: dict) -> Path:
 
 
 def make_inputs(folder: Path) -> tuple[Path, Path]:
-    """The demo corpus (0.5 MB) and the tiny target (trained here, ~20 s), made once and reused."""
+    """The demo corpus (0.5 MB) and the tiny target (trained here, ~20 s), made once and reused; the check
+    uploads both to S3, where the worker nodes read them."""
     corpus, target = folder / "corpus", folder / "target"
     if not (corpus / "train.jsonl").is_file():
         subprocess.run([sys.executable, "-m", "infer.demo.corpus", "--out", str(corpus), "--seed", "0",
@@ -42,15 +43,7 @@ def make_inputs(folder: Path) -> tuple[Path, Path]:
     return corpus / "train.jsonl", target
 
 
-def fresh_mirror(run_dir: str) -> None:
-    """Drop the driver's local mirror of `run_dir` (pipeline/storage.py Mirror): the S3 server starts empty,
-    but a mirror left by an earlier check would hand regeneration its finished chunks."""
-    import shutil
-
-    shutil.rmtree(storage.Mirror(run_dir).local, ignore_errors=True)
-
-
-def pipeline_tree(run_dir: str, target: Path, corpus: str, records: int, regenerate: bool = True) -> dict:
+def pipeline_tree(run_dir: str, target: str, corpus: str, records: int, regenerate: bool = True) -> dict:
     """Every stage, its actors one per worker node; capture cut small (4 rows a shard) so a kill lands mid-way."""
     actors = {"num_actors": 2, "num_cpus_per_actor": 0.5, "threads_per_actor": 1, "resources_per_actor": ON_WORKERS}
     return {"run_dir": str(run_dir), "target": str(target),
@@ -96,7 +89,7 @@ def read_json(loc, default=None):
     return json.loads(storage.read_text(loc)) if storage.is_file(loc) else default
 
 
-def train_tree(out_dir: str, target: Path, shards: str) -> dict:
+def train_tree(out_dir: str, target: str, shards: str) -> dict:
     return {"target": str(target), "out_dir": str(out_dir),
             "data": {"shards": str(shards), "max_rows_per_batch": 4, "val_rows": 8},
             "model": {"ttt_length": 3}, "optim": {"lr": 5e-3}, "max_steps": 60, "epochs": 30,
@@ -113,7 +106,7 @@ def latest_step(out_dir: str) -> int:
     return max(steps, default=0)
 
 
-def eval_tree(out_dir: str, target: Path, head: str) -> dict:
+def eval_tree(out_dir: str, target: str, head: str) -> dict:
     return {"target": str(target), "head": str(head), "out_dir": str(out_dir),
             "benchmarks": [{"name": "mt_bench", "kind": "mt_bench", "path": str(ROOT / "data/mt_bench/question.jsonl"),
                             "limit": 2}, {"name": "gsm8k", "kind": "gsm8k", "path": str(ROOT / "data/gsm8k/test.jsonl"),
@@ -146,8 +139,10 @@ class Load:
             self.log.append((t, time.time(), ok))
 
 
-def running(cl: LocalCluster, app: str = "eagleray") -> int:
-    """Replicas of the Serve app in state RUNNING (Serve's REST API on the dashboard); 0 while it answers not."""
+def running(cl: LocalCluster, app: str = "eagleray", deployment: str = "") -> int:
+    """Replicas of the Serve app's deployments whose name holds `deployment` (the vllm backend's are
+    `LLMServer:<model>` and `OpenAiIngress`) in state RUNNING (Serve's REST API on the dashboard); 0 while
+    it answers not."""
     import urllib.request
 
     try:
@@ -156,7 +151,8 @@ def running(cl: LocalCluster, app: str = "eagleray") -> int:
     except (OSError, ValueError):
         return 0
     deps = apps.get(app, {}).get("deployments", {})
-    return sum(1 for d in deps.values() for rep in d.get("replicas", []) if rep.get("state") == "RUNNING")
+    return sum(1 for name, d in deps.items() if deployment in name
+               for rep in d.get("replicas", []) if rep.get("state") == "RUNNING")
 
 
 def stop_serve(cl: LocalCluster, wait_s: float = 120) -> bool:
@@ -188,7 +184,7 @@ def node_rss_mb(cl: LocalCluster) -> dict:
     return out
 
 
-def throughput(cl: LocalCluster, out: Path, target: Path, corpus: Path, records: int) -> tuple[dict, dict]:
+def throughput(cl: LocalCluster, out: Path, target: str, corpus: Path, records: int) -> tuple[dict, dict]:
     """Capture and training tokens/s on one worker node against two, one after the other in this run.
     Capture reruns on the pipeline's tokens (the other stages off); training trains 30 steps, no fault."""
     one, both = {"eagleray_worker1": 1}, ON_WORKERS

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from infer.cluster.isolation import connected
 from infer.cluster.jobs import (BUCKET, ON_WORKERS, Load, pipeline_tree, read_json, run_job, running, stop_serve,
                                 train_tree, write_yaml)
 from infer.cluster.local import ROOT, LocalCluster, free_port
@@ -109,7 +110,8 @@ def serve_vllm(cl: LocalCluster, out: Path, target: str, head: str) -> tuple[str
     time.sleep(3)
     second = answers(url, model, prompts)
     time.sleep(8)  # the engines' metrics reach Ray's export every few seconds
-    counters = engine_spec_counters(model)
+    with connected(cl):
+        counters = engine_spec_counters(model)
     res |= {"requests": len(first) + len(second), "failed": (first + second).count(None),
             "same_answers_after_restart": first == second and None not in first,
             "drafts": counters["drafts"], "tau": counters["tau"], "serve_stopped": stop_serve(cl)}
