@@ -55,7 +55,7 @@ demo: $(STAMP)
 # workers, one torch thread each; the tests on pipeline_run's shards run in order on one (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	EAGLERAY_REQUIRE_VLLM=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	EAGLERAY_REQUIRE_VLLM=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=40
 
 # The fast tier: no Ray cluster, no vLLM engine, no training but the tiny test target's (slow tests left out).
 check: $(STAMP)

@@ -35,6 +35,6 @@ def test_check_mode_exits_1_with_one_line_when_stale(tmp_path, capsys):
 def test_types_and_defaults_read_as_a_user_writes_them():
     text = config_doc.render()
     assert "|`capture.dtype`|bf16\\|fp16\\|fp32\\|fp8|`bf16`|" in text
-    assert "|`target`|path|required|" in text and "|`out_dir`|path or URI|`runs/train`|" in text
+    assert "|`target`|path or URI|required|" in text and "|`out_dir`|path or URI|`runs/train`|" in text
     assert "|`model.decay_gamma`|float or null|`4.0`|" in text and "|`data.shards`|path or URI|`null`|" in text
     assert "|`ingest.sources[].path`|" in text and "|`optim.betas`|[float, float]|`[0.9, 0.95]`|" in text

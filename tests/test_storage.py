@@ -25,11 +25,6 @@ def s3():
         yield server
 
 
-def upload_dir(local, uri) -> None:
-    fs, path = storage.filesystem(uri)
-    pafs.copy_files(str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-
-
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_files_read_write_list_glob_and_mirror(where, tmp_path, s3, monkeypatch):
     monkeypatch.setenv("EAGLERAY_CACHE", str(tmp_path / "cache"))
@@ -146,7 +141,7 @@ def test_ingest_reads_parquet_exports_through_globs_locally_and_on_s3(tmp_path, 
     pq.write_table(pa.Table.from_pylist(ultrachat_rows(5, 4) + ultrachat_rows(0, 1)), folder / "train_sft-00001.parquet")
     (folder / "train_sft-00002.parquet").write_bytes(b"PAR1 not really")
     (folder / "README.md").write_text("not matched by the glob")
-    upload_dir(folder, s3.uri("eagleray/ultrachat"))
+    storage.upload(folder, s3.uri("eagleray/ultrachat"))
     out = {}
     for where, pattern in (("local", str(folder / "train_sft-*.parquet")),
                            ("s3", s3.uri("eagleray/ultrachat/train_sft-*.parquet"))):
@@ -173,7 +168,7 @@ def test_trainer_reads_shards_and_keeps_checkpoints_on_s3(tmp_path, ray_cluster,
 
     monkeypatch.setenv("EAGLERAY_CACHE", str(tmp_path / "cache"))
     shards, out = s3.uri("eagleray/train/capture"), s3.uri("eagleray/train/out")
-    upload_dir(pipeline_run / "capture", shards)
+    storage.upload(pipeline_run / "capture", shards)
     tree = {"target": str(tiny_target), "out_dir": out,
             "data": {"shards": shards, "max_rows_per_batch": 4, "val_rows": 8},
             "model": {"ttt_length": 2}, "optim": {"lr": 5e-3}, "max_steps": 6, "epochs": 4, "log_every": 2,
@@ -206,7 +201,7 @@ def test_eval_reads_a_head_from_s3_and_writes_its_report_there(tmp_path, ray_clu
 
     monkeypatch.setenv("EAGLERAY_CACHE", str(tmp_path / "cache"))
     head, out = s3.uri("eagleray/eval/head"), s3.uri("eagleray/eval/report")
-    upload_dir(tiny_head, head)
+    storage.upload(tiny_head, head)
     report = main([str(write_yaml(tmp_path / "eval.yaml", {
         "target": str(tiny_target), "head": head, "out_dir": out,
         "benchmarks": [{"name": "gsm8k", "kind": "gsm8k", "path": str(data_dir / "gsm8k/test.jsonl"), "limit": 2}],
