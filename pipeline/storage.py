@@ -75,18 +75,27 @@ def redact(loc) -> str:
     return f"{base}?{urlencode(pairs, safe='*:')}"
 
 
-@lru_cache(maxsize=32)
+S3_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
+          "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
 def _s3(query: str) -> pafs.S3FileSystem:
-    opts = dict(parse_qsl(query))
+    """The file system for a URI's query, made once per query and the environment it reads (a store named
+    by another endpoint or credentials later in the process gets a file system of its own)."""
+    return _s3_made(query, tuple(os.environ.get(k) for k in S3_ENV))
+
+
+@lru_cache(maxsize=32)
+def _s3_made(query: str, env: tuple) -> pafs.S3FileSystem:
+    opts, env = dict(parse_qsl(query)), dict(zip(S3_ENV, env))
     unknown = set(opts) - set(S3_QUERY)
     if unknown:
         raise StorageError(f"s3 URI: unknown query key(s) {sorted(unknown)}; known: {', '.join(S3_QUERY)}")
-    endpoint = opts.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-        "AWS_ENDPOINT_URL")
+    endpoint = opts.get("endpoint_override") or env["AWS_ENDPOINT_URL_S3"] or env["AWS_ENDPOINT_URL"]
     scheme = opts.get("scheme")
     if endpoint and "://" in endpoint:  # AWS_ENDPOINT_URL=http://host:port
         scheme, endpoint = scheme or endpoint.split("://")[0], endpoint.split("://", 1)[1]
-    region = opts.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    region = opts.get("region") or env["AWS_REGION"] or env["AWS_DEFAULT_REGION"]
     # Short timeouts and few retries: an unreachable endpoint is reported in seconds, not minutes.
     return pafs.S3FileSystem(
         endpoint_override=endpoint or None, scheme=scheme or "https", region=region or "us-east-1",

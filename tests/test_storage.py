@@ -64,6 +64,23 @@ def test_location_types_and_redaction(s3):
         storage.filesystem("s3://b/p?endpoint=h:1")
 
 
+def test_a_store_named_later_in_the_process_is_the_one_used(s3, monkeypatch):
+    """The file system for a URI follows the endpoint and keys in the environment: a second store (another
+    endpoint) named later in one process is read and written, not the first one's cached connection."""
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    storage.write_text("s3://eagleray/which.txt", "first")
+    with S3Server() as other:
+        for k, v in other.env.items():
+            monkeypatch.setenv(k, v)
+        assert storage.listing("s3://eagleray/") == []  # the new store is empty
+        storage.write_text("s3://eagleray/which.txt", "second")
+        assert storage.read_text("s3://eagleray/which.txt") == "second"
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    assert storage.read_text("s3://eagleray/which.txt") == "first"
+
+
 def run_cli(args, env_extra=None, timeout=120):
     env = dict(os.environ, **(env_extra or {}))
     t0 = time.time()
