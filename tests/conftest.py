@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,16 +36,18 @@ SLOW_FIXTURES = {"ray_cluster", "vllm_python"}
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`), each a session with its own
-    fixtures (its own local Ray when a test of it needs one). A group runs on one worker, in order: every
-    test on the shards of `pipeline_run` joins one, so that fixture and the heads trained from it
-    (`tiny_head`, `tiny_dflash_head`) are built once; the other tests fill both workers. Most of a Ray test's
+    fixtures (its own local Ray when a test of it needs one). The session fixtures every stage's tests read
+    (`tiny_target`, `pipeline_run`, `tiny_head`, `tiny_dflash_head`) are `built_once` for both workers; a
+    module whose tests share a module-scoped fixture (a served endpoint, a vLLM server) is one group, run on
+    one worker in order, so that fixture is built once too. The rest fill both workers: most of a Ray test's
     wall is waiting on process starts, which leaves a core idle.
 
     The tiers: a test that starts a Ray cluster (any fixture built on `ray_cluster`) or a vLLM engine is
     slow, so `make check` (`-m "not slow"`) leaves it to `make test`."""
     for item in items:
-        if "pipeline_run" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("pipeline_run"))
+        defs = item._fixtureinfo.name2fixturedefs
+        if any(d[-1].scope == "module" for d in defs.values() if d):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
 
@@ -60,6 +63,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     out, done = root / name, root / f"{name}.done"
     with FileLock(str(root / f"{name}.lock")):
         if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a build cut short by an earlier failure
             build(out)
             done.touch()
     return out
@@ -182,10 +186,12 @@ def pipeline_run(tmp_path_factory, ray_cluster, tiny_target, demo_corpus) -> Pat
     from pipeline.yaml_config import load_config
     from pipeline.config import PipelineConfig
 
-    run_dir = tmp_path_factory.mktemp("pipeline_run")
-    cfg_path = write_yaml(run_dir / "cfg.yaml", pipeline_tree(run_dir, tiny_target, demo_corpus / "train.jsonl"))
-    run(load_config(PipelineConfig, cfg_path))
-    return run_dir
+    def build(run_dir: Path) -> None:
+        run_dir.mkdir(parents=True)
+        tree = pipeline_tree(run_dir, tiny_target, demo_corpus / "train.jsonl")
+        run(load_config(PipelineConfig, write_yaml(run_dir / "cfg.yaml", tree)))
+
+    return built_once(tmp_path_factory, "pipeline_run", build)
 
 
 @pytest.fixture(scope="session")
@@ -196,13 +202,15 @@ def tiny_head(tmp_path_factory, ray_cluster, pipeline_run, tiny_target):
     from trainer.config import TrainConfig
     from trainer.driver import run_training
 
-    out = tmp_path_factory.mktemp("tiny_head")
-    tree = {"target": str(tiny_target), "out_dir": str(out),
-            "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 0},
-            "model": {"ttt_length": 3}, "optim": {"lr": 5e-3}, "max_steps": 240, "epochs": 20, "log_every": 20,
-            "scaling": {"num_workers": 1, "cpus_per_worker": 1}}
-    run_training(load_config(TrainConfig, write_yaml(out / "t.yaml", tree)))
-    return out / "head_sglang"
+    def build(out: Path) -> None:
+        out.mkdir(parents=True)
+        tree = {"target": str(tiny_target), "out_dir": str(out),
+                "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 0},
+                "model": {"ttt_length": 3}, "optim": {"lr": 5e-3}, "max_steps": 240, "epochs": 20,
+                "log_every": 20, "scaling": {"num_workers": 1, "cpus_per_worker": 1}}
+        run_training(load_config(TrainConfig, write_yaml(out / "t.yaml", tree)))
+
+    return built_once(tmp_path_factory, "tiny_head", build) / "head_sglang"
 
 
 @pytest.fixture(scope="session")
@@ -215,11 +223,14 @@ def tiny_dflash_head(tmp_path_factory, ray_cluster, pipeline_run, tiny_target):
     from trainer.config import TrainConfig
     from trainer.driver import run_training
 
-    out = tmp_path_factory.mktemp("tiny_dflash_head")
-    tree = {"target": str(tiny_target), "out_dir": str(out),
-            "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 8},
-            "model": {"kind": "dflash", "num_layers": 2, "block_size": 5, "anchors": 256, "lm_head_init": "target"},
-            "optim": {"lr": 5e-3}, "max_steps": 240, "epochs": 20, "log_every": 20, "eval_every": 60,
-            "scaling": {"num_workers": 1, "cpus_per_worker": 1}}
-    run_training(load_config(TrainConfig, write_yaml(out / "t.yaml", tree)))
-    return out
+    def build(out: Path) -> None:
+        out.mkdir(parents=True)
+        tree = {"target": str(tiny_target), "out_dir": str(out),
+                "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 8},
+                "model": {"kind": "dflash", "num_layers": 2, "block_size": 5, "anchors": 256,
+                          "lm_head_init": "target"},
+                "optim": {"lr": 5e-3}, "max_steps": 240, "epochs": 20, "log_every": 20, "eval_every": 60,
+                "scaling": {"num_workers": 1, "cpus_per_worker": 1}}
+        run_training(load_config(TrainConfig, write_yaml(out / "t.yaml", tree)))
+
+    return built_once(tmp_path_factory, "tiny_dflash_head", build)

@@ -64,3 +64,35 @@ def test_unknown_fault_stage_is_named(capsys):
     with pytest.raises(SystemExit):
         main(["check", "--fault-stages", "capture,shuffle"])
     assert "unknown ['shuffle']" in capsys.readouterr().err
+
+
+def test_a_kill_that_missed_its_stage_is_tried_again_in_a_job_of_its_own(tmp_path, monkeypatch):
+    """The retry rule of `pipeline_faults`, over a stand-in for the pipeline job: the stages whose kill came
+    late go again (and only they), until each lands or the attempts run out."""
+    from infer.cluster import check
+
+    late = {"pipeline_fault": {"capture", "vocab"}, "pipeline_fault_2": {"vocab"}, "pipeline_fault_3": set()}
+    asked = []
+
+    def fake_job(cl, out, corpus, target, records, base, stages, name):
+        asked.append((name, list(stages)))
+        (out / f"{name}.log").write_text("Task _Capture.run failed. There are 3 retries remaining\n" * 2)
+        return {s: {"job": "SUCCEEDED", "killed": True, "running_at_kill": s not in late[name], **ROWS}
+                for s in stages}
+
+    monkeypatch.setattr(check, "pipeline_fault", fake_job)
+    monkeypatch.setattr(check, "stage_outputs", lambda run_dir: {})
+    result = {"faults": {}, "retried_by_ray": {}}
+    check.pipeline_faults(None, tmp_path, "c", "t", 64, list(FAULT_STAGES), result)
+    assert asked == [("pipeline_fault", list(FAULT_STAGES[:5])), ("pipeline_fault_2", ["capture", "vocab"]),
+                     ("pipeline_fault_3", ["vocab"])]
+    assert {s: f["attempts"] for s, f in result["faults"].items()} == {
+        "ingest": 1, "regenerate": 1, "tokenize": 1, "capture": 2, "vocab": 3}
+    assert all(f["running_at_kill"] for f in result["faults"].values())
+    assert result["retried_by_ray"]["pipeline_fault_2"] == {"_Capture": 2}
+
+    late["pipeline_fault_3"] = {"vocab"}  # still late after every attempt: the verdict fails
+    asked.clear()
+    result = {"faults": {}, "retried_by_ray": {}}
+    check.pipeline_faults(None, tmp_path, "c", "t", 64, list(FAULT_STAGES), result, attempts=3)
+    assert len(asked) == 3 and result["faults"]["vocab"]["running_at_kill"] is False

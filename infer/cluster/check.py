@@ -211,13 +211,22 @@ def head_fault(cl: LocalCluster, out: Path, target: str, corpus, records: int) -
             "cluster_restart_s": restart_s}
 
 
-def pipeline_faults(cl: LocalCluster, out: Path, corpus, target: str, records: int, stages, result: dict) -> None:
-    """One pipeline job with a worker killed in each of the pipeline `stages` asked for, into `result`."""
-    on_pipeline = [x for x in stages if x in PIPELINE_STAGES]
-    if on_pipeline:
-        result["faults"] |= pipeline_fault(cl, out, corpus, target, records, stage_outputs(f"{BUCKET}/pipeline"),
-                                           on_pipeline)
-        result["retried_by_ray"]["pipeline_fault"] = retried((out / "pipeline_fault.log").read_text())
+def pipeline_faults(cl: LocalCluster, out: Path, corpus, target: str, records: int, stages, result: dict,
+                    attempts: int = 3) -> None:
+    """One pipeline job with a worker killed in each of the pipeline `stages` asked for, into `result`. A
+    kill that landed after its stage had ended (the node's restart after one kill can outlast a short next
+    stage) is tried again, in a pipeline job of its own, up to `attempts` jobs in all; `attempts` per stage
+    says how many it took."""
+    todo = [x for x in stages if x in PIPELINE_STAGES]
+    base = stage_outputs(f"{BUCKET}/pipeline") if todo else {}
+    for attempt in range(1, attempts + 1):
+        if not todo:
+            return
+        name = "pipeline_fault" if attempt == 1 else f"pipeline_fault_{attempt}"
+        found = pipeline_fault(cl, out, corpus, target, records, base, todo, name=name)
+        result["faults"] |= {stage: {**f, "attempts": attempt} for stage, f in found.items()}
+        result["retried_by_ray"][name] = retried((out / f"{name}.log").read_text())
+        todo = [x for x in todo if found.get(x, {}).get("running_at_kill") is False]
 
 
 def downstream_faults(cl: LocalCluster, out: Path, target: str, stages, result: dict) -> None:
