@@ -110,6 +110,21 @@ def ray_cluster():
     stop_head(head["markers"])
 
 
+@pytest.fixture
+def own_driver():
+    """This worker process free of the session's Ray for one test that joins a cluster of its own as its
+    driver (`infer.cluster.isolation.connected` refuses a second cluster), joined again after: whether the
+    session's Ray was started first depends on which tests xdist gave this worker before."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    if address:
+        ray.shutdown()
+    yield
+    if address and not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+
+
 def actor_processes(title: str, markers: tuple[str, ...] | None = None, root: int | None = None) -> list:
     """Live processes whose title names `title` (Ray titles an actor's process after its class:
     "ray::MapWorker(MapBatches(CaptureWorker))") in one Ray's process tree: the head whose command lines

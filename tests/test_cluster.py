@@ -17,7 +17,8 @@ from pipeline import storage
 pytestmark = pytest.mark.slow
 
 
-def test_three_nodes_capture_to_s3_survives_a_killed_node(tmp_path, tiny_target, demo_corpus, monkeypatch):
+def test_three_nodes_capture_to_s3_survives_a_killed_node(tmp_path, tiny_target, demo_corpus, monkeypatch,
+                                                          own_driver):
     records = 48
     # temp dirs under /tmp (short socket paths); no CPU on the head, so the kills land on work
     with S3Server() as s3, LocalCluster(workers=2, head_cpus=0, env=s3.env, private_disks=True,

@@ -9,7 +9,7 @@ from infer.cluster.local import LocalCluster
 pytestmark = pytest.mark.slow
 
 
-def test_worker_nodes_share_no_disk_and_a_restarted_node_comes_back_empty():
+def test_worker_nodes_share_no_disk_and_a_restarted_node_comes_back_empty(own_driver):
     with LocalCluster(workers=2, private_disks=True) as cl:
         proof = prove_isolation(cl)
         assert proof["private_disks"] and proof["code_read_only"], proof
