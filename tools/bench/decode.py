@@ -210,6 +210,30 @@ def summarize(agg: dict, n_prompts: int, depth: int) -> dict:
     return result
 
 
+def node_costs(gen: EagleGenerator, top_k: int, prefix: int) -> dict:
+    """A verified node's ms beside a 1-token step's, from this machine's round costs (infer/round_cost.py)
+    after `prefix` committed tokens, and the node's GEMM limit: one more row through every linear of the
+    target (2 FLOPs a weight) at the rate this machine's matmul reaches on the target's widest linear in
+    its dtype, 256 rows at a time (the packed oneDNN linear where the lean target packs)."""
+    from infer.round_cost import median_ms
+
+    step, node = gen.round_costs(top_k).at(prefix)
+    model = gen.target.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    widest = max(linears, key=lambda m: m.weight.numel())
+    x = torch.randn(256, widest.in_features).to(widest.weight)
+    lean = gen.target.lean
+    run = widest
+    if lean is not None and lean.packed:
+        from infer.cpu.packed import PackedLinear
+        run = PackedLinear.pack(widest.weight, widest.bias)
+    gflops = 2 * 256 * widest.weight.numel() / median_ms(lambda: run(x), 10) / 1e6
+    flops_per_node = 2 * sum(m.weight.numel() for m in linears)
+    return {"step_ms": round(step, 3), "node_ms": round(node, 3), "cost_prefix": prefix,
+            "node_ms_limit": round(flops_per_node / gflops / 1e6, 3), "gemm_gflops": round(gflops, 1),
+            "node_gflop": round(flops_per_node / 1e9, 3)}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -217,7 +241,8 @@ def main(argv=None) -> dict:
     counter = ForwardCounter(gen.target.model)
     methods = build_methods(gen, args)
     texts = (prompt_file(args.prompts) if args.prompts else default_prompts(args.shared, args.n))[: args.n]
-    agg = measure(methods, [chat_ids(gen.tokenizer, t) for t in texts], counter)
+    prompts = [chat_ids(gen.tokenizer, t) for t in texts]
+    agg = measure(methods, prompts, counter)
     lean = gen.target.lean
     result = {"lean_target": lean is not None, "dtype": args.dtype,
               "packed_linears": bool(lean and lean.packed),
@@ -225,6 +250,8 @@ def main(argv=None) -> dict:
               "tree": {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens},
               "head": str(args.head), "compare_head": str(args.compare_head) if args.compare_head else None}
     result.update(summarize(agg, len(texts), args.depth))
+    mid = round(sum(map(len, prompts)) / len(prompts) + args.max_new_tokens / 2)  # a decode's middle
+    result.update(node_costs(gen, args.top_k, mid))
     fixed = {k: result[k]["tokens_per_s"] for k in ("eagle_tree", "eagle_chain", "vanilla") if k in result}
     if "eagle_adaptive" in result and fixed:  # the goal: adaptive at or above the best fixed policy
         best = max(fixed, key=fixed.get)
