@@ -187,6 +187,7 @@ class EagleGenerator:
         eos = eos if eos is not None or tokenizer is None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.costs: RoundCosts | None = None  # measured on the first `sizing: adaptive` round
+        self.last_gate: DraftGate | None = None  # the last unseeded adaptive request's (DraftGate.after)
 
     def round_costs(self, top_k: int) -> RoundCosts:
         """This machine's costs for this target + head (infer/round_cost.py), measured once (~1 s)."""
@@ -223,7 +224,7 @@ class EagleGenerator:
         embed = self.target.model.get_input_embeddings().weight.detach()
         new.draft = draft_runner(head.to(embed.device, embed.dtype), embed, self.cpu_path)
         new.path_line = cpu.log_paths(self.target.path, getattr(new.draft, "path", None))
-        new.costs = None
+        new.costs = new.last_gate = None
         return new
 
     def _pick(self, logits: torch.Tensor, s: SpecSettings, gen: torch.Generator | None) -> int:
@@ -289,7 +290,10 @@ class EagleGenerator:
             hid, dlog = self.draft.ingest(aux, nxt.to(aux.device), torch.arange(plen, device=aux.device))
         # cost sizing: rounds that do not pay become plain steps; `pending` holds the draft's inputs
         # (aux rows, next tokens, positions) for the positions it skipped, ingested at the next drafting round
-        gate = DraftGate() if s.sizing == "adaptive" and mode != "vanilla" else None
+        # a seeded request's shapes follow its seed alone; an unseeded one goes on from the last one's gate
+        gate = None
+        if s.sizing == "adaptive" and mode != "vanilla":
+            gate = DraftGate() if s.seed is not None else DraftGate.after(self.last_gate)
         pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         while reason is None:
             t_round = time.perf_counter()
@@ -331,6 +335,8 @@ class EagleGenerator:
                     plen += len(accepted)
                     stats.add_split("draft", time.perf_counter() - t_ingest)
             stats.split["other"] += time.perf_counter() - t_round - stats.round_seconds()
+            if reason is not None and gate is not None and s.seed is None:
+                self.last_gate = gate
             yield self._snapshot(out, stats, reason, t0, lps if s.logprobs is not None else None)
 
     def _plain_step(self, root: int, plen: int, cache, s: SpecSettings, gen, stats: SpecStats):

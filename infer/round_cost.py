@@ -20,6 +20,7 @@ off-domain prompt), the decoder takes plain 1-token steps and does not run the d
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -131,6 +132,21 @@ class DraftGate:
 
     def __post_init__(self):
         self.backoff = self.min_backoff
+
+    @classmethod
+    def after(cls, last: "DraftGate | None") -> "DraftGate":
+        """A request's gate that goes on from the last request's (`last`, None: a fresh one). Where drafting
+        had stopped paying, the new request starts with the plain steps the last one would have taken next
+        and then probes, instead of paying for its first drafting rounds again: a head that loses on one kind
+        of traffic stays out of it from one request to the next, and its probes keep the last request's
+        calibration (shallow, narrow trees) until acceptance returns. After a paying request: a fresh gate."""
+        gate = cls()
+        if last is not None and last.score is not None and last.score < 0:
+            gate.backoff, gate.score = last.backoff, last.score
+            gate.plain_left, gate.probing = last.backoff, True
+            gate.calibration = dataclasses.replace(last.calibration)
+            gate.calibration.accepted, gate.calibration.expected = last.calibration.accepted, last.calibration.expected
+        return gate
 
     def drafts(self) -> bool:
         """Whether this round drafts; a plain step is counted off the backoff."""

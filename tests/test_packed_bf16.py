@@ -267,8 +267,9 @@ def random_tree_mask(n: int, prefix: int, gen: torch.Generator) -> tuple[torch.T
 
 def test_path_attention_rows_equal_their_own_unmasked_calls():
     """Kernel-level: every row of path_attention (one call per key count) has the bits of an unmasked
-    1-row SDPA call over exactly its keys, across prefixes that cross the kernel's 512-key split; one
-    masked call over all rows does not, so this test can tell."""
+    1-row SDPA call over exactly its keys, across prefixes that cross the kernel's 512-key split, with the
+    keys built per call or read from prefix copies (brought up to date first); one masked call over all
+    rows does not, so this test can tell."""
     from infer.cpu.exact_attention import path_attention
     gen = torch.Generator().manual_seed(0)
     heads, kvh, D = 8, 2, 64
@@ -278,7 +279,13 @@ def test_path_attention_rows_equal_their_own_unmasked_calls():
         keep, pos = random_tree_mask(n, prefix, gen)
         q = torch.randn(1, heads, n, D, generator=gen).bfloat16()
         kv = torch.randn(2, kvh, prefix + n, D, generator=gen).bfloat16()
-        got = path_attention(q, kv, PathGroups(keep, pos), 0.125)
+        paths = PathGroups(keep, pos)
+        got = path_attention(q, kv, paths, 0.125)
+        # the same rows over 3 prefix copies (groups of 4+ rows split), synced up to a third of the prefix
+        copies = torch.randn(2, 3, kvh, prefix + n + 7, D, generator=gen).bfloat16()
+        copies[:, :, :, : prefix // 3] = kv[:, None, :, : prefix // 3]
+        assert torch.equal(path_attention(q, kv, paths, 0.125, copies, prefix // 3, prefix), got), prefix
+        assert torch.equal(copies[:, :, :, :prefix], kv[:, None, :, :prefix].expand(2, 3, kvh, prefix, D))
         order = pos.argsort()  # the fused call: every row at once, keys in position order, masked
         fused = F.scaled_dot_product_attention(q, kv[0, None][:, :, order], kv[1, None][:, :, order],
                                                attn_mask=keep[..., order], scale=0.125, enable_gqa=True)

@@ -93,12 +93,15 @@ def test_sized_width_uses_calibrated_pi_and_returns_raw_expectation():
     assert low.log_threshold() == pytest.approx(math.log(3.0)) and plan.log_threshold() == pytest.approx(math.log(0.3))
 
 
-def replay(hits: list[int], belief: float, costs: RoundCosts, depth: int, adaptive: bool):
+def replay(hits: list[int], belief: float, costs: RoundCosts, depth: int, adaptive: bool,
+           gate: DraftGate | None = None):
     """Replays an acceptance trace through the adaptive policy's real parts (RoundPlan, Calibration,
     DraftGate, cost_width) on a chain: hits[i] = draft tokens the target would accept at the i-th position
     the decoder drafts from; the draft believes each level with probability `belief` (pi = belief^d).
-    Predicted ms from `costs`; -> (tokens, ms, drafting rounds, rounds). adaptive=False: the fixed chain."""
-    gate, tokens, ms, drafted, rounds = DraftGate(), 0, 0.0, 0, 0
+    Predicted ms from `costs`; -> (tokens, ms, drafting rounds, rounds). adaptive=False: the fixed chain.
+    gate: the DraftGate to use (a fresh one when None; the caller reads its state after)."""
+    gate = DraftGate() if gate is None else gate
+    tokens, ms, drafted, rounds = 0, 0.0, 0, 0
     base = costs.plan(0)
     while tokens < len(hits):
         rounds += 1
@@ -132,6 +135,32 @@ def test_replayed_useless_draft_is_never_slower_than_the_target_alone():
     assert tokens / ms >= 0.98 * plain and drafted / rounds < 0.05
     f_tokens, f_ms, _, _ = replay([0] * 400, belief=0.9, costs=DEMO_COSTS, depth=5, adaptive=False)
     assert f_tokens / f_ms < 0.7 * plain  # what a fixed chain costs on such a trace
+
+
+def test_replayed_useless_draft_stays_out_across_short_requests():
+    """Twelve 48-token requests on which a confident draft is never accepted: a gate that starts afresh
+    per request pays its first drafting rounds and probes again in each (below 98% of the target alone);
+    `DraftGate.after` goes on from the last request's backoff and stays above 98%."""
+    plain = 1 / DEMO_COSTS.step
+    rates = {}
+    for carry in (False, True):
+        tokens = ms = 0.0
+        last = None
+        for _ in range(12):
+            gate = DraftGate.after(last) if carry else DraftGate()
+            t, m, _, _ = replay([0] * 48, belief=0.9, costs=DEMO_COSTS, depth=5, adaptive=True, gate=gate)
+            tokens, ms, last = tokens + t, ms + m, gate
+        rates[carry] = tokens / ms / plain
+    assert rates[False] < 0.98 <= rates[True], rates
+    # a losing gate hands on its backoff; a winning or fresh one hands on nothing
+    lost = DraftGate()
+    lost.record(-0.5)
+    lost.record(-0.5)  # a losing probe: backoff doubled
+    nxt = DraftGate.after(lost)
+    assert (nxt.plain_left, nxt.backoff, nxt.probing) == (4, 4, True) and not nxt.drafts()
+    won = DraftGate()
+    won.record(0.7)
+    assert DraftGate.after(won).plain_left == DraftGate.after(None).plain_left == 0
 
 
 def test_replayed_trace_recovers_when_acceptance_returns():
@@ -189,7 +218,7 @@ def test_cost_sizing_regimes_on_random_head(random_generator, demo_corpus):
         drafted = got.stats.rounds - got.stats.plain_steps
         assert drafted >= 1 and len(got.stats.accepted) == drafted
         assert got.stats.nodes == 8 * drafted + got.stats.plain_steps and got.stats.levels == 3 * drafted
-        gen.costs = dear  # every drafting round loses: the DraftGate turns most rounds into plain steps
+        gen.costs, gen.last_gate = dear, None  # every drafting round loses: most rounds become plain steps
         got = gen.generate(ids, fixed.model_copy(update={"sizing": "adaptive"}))
         assert got.tokens == want
         st = got.stats
@@ -197,6 +226,12 @@ def test_cost_sizing_regimes_on_random_head(random_generator, demo_corpus):
         # drafting rounds only at the backoff's probes: d, 2 plain, d, 4 plain, d, 8 plain, ...
         schedule = ("d" + "pp" + "d" + "pppp" + "d" + "p" * 8 + "d" + "p" * 16)[: st.rounds]
         assert len(st.accepted) == schedule.count("d") == st.rounds - st.plain_steps and st.plain_steps >= 2
+        # the next request goes on from this one's gate: it opens with plain steps, not a losing round
+        again = gen.generate(ids, fixed.model_copy(update={"sizing": "adaptive"}))
+        assert again.tokens == want and again.stats.plain_steps > st.plain_steps and again.stats.rounds == st.rounds
+        seeded = gen.generate(ids, fixed.model_copy(update={"sizing": "adaptive", "seed": 3}))
+        assert seeded.tokens == want and seeded.stats.plain_steps == st.plain_steps  # a seed starts afresh
+        gen.last_gate = None
     gen.costs = None
 
 

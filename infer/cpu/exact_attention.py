@@ -9,6 +9,12 @@ are the batch, each with exactly its own keys in position order (the shared pref
 ancestors), as its 1-token step saw them. Padding rows with masked keys up to a longer row's count kept
 the bits on random probes within blocks of 16 keys, but not always on real activations (SmolLM2 on an
 AVX-512 EPYC: 2 rows of ~580 in one decode), so no row is padded.
+
+A group's rows share the committed prefix and differ in a few keys after it. Built per call, each row's
+keys are a copy of the whole prefix plus its own (a verify of 16 rows after 450 keys copied ~5 MB a layer
+on SmolLM2). `PrefixCopies` keeps R copies of each layer's committed prefix beside the cache instead,
+brought up to date by the few slots committed since the last verify; a group of rows then writes only its
+own keys after the prefix and attends over a view, which reads like the 1-token step's view of the cache.
 """
 from __future__ import annotations
 
@@ -48,23 +54,63 @@ class PathGroups:
             self.groups.append((first, first + g, rows, lead, keys[:, lead:].flatten(), c))
 
 
-def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: float) -> torch.Tensor:
+class PrefixCopies:
+    """R copies of every layer's committed K/V side by side, [layers, 2, R, kv_heads, capacity, D], one per
+    sequence beside its cache (infer/cpu/lean.py's StaticKV): slots [0, synced) of each copy equal the
+    cache's. A verify brings them up to its start (the slots committed since the last one), then each group
+    of up to R rows writes its own keys after the prefix (module docstring)."""
+
+    def __init__(self, kv: torch.Tensor, copies: int = 4):
+        L, _, kvh, cap, D = kv.shape
+        self.buf = kv.new_empty((L, 2, copies, kvh, cap, D))
+        self.synced = 0
+
+    def fit(self, capacity: int) -> None:
+        """Grow to the cache's capacity, keeping the synced slots."""
+        cap = self.buf.shape[4]
+        if capacity > cap:
+            pad = self.buf.new_empty((*self.buf.shape[:4], capacity - cap, self.buf.shape[5]))
+            self.buf = torch.cat([self.buf, pad], dim=4)
+
+    def cut(self, length: int) -> None:
+        """The cache was cut to `length` slots: later slots no longer hold what was synced."""
+        self.synced = min(self.synced, length)
+
+
+def path_attention(q: torch.Tensor, kv: torch.Tensor, paths: PathGroups, scale: float,
+                   copies: Optional[torch.Tensor] = None, synced: int = 0, start: int = 0) -> torch.Tensor:
     """q [1, heads, n, D]; kv [2, kv_heads, N, D] (this layer's K and V) -> [n, heads, 1, D]: each row
-    attends to its visible keys as its 1-token step does (module docstring), one SDPA call per group."""
-    return _path_attention(q, kv, paths.groups, paths.in_order, scale)
+    attends to its visible keys as its 1-token step does (module docstring), one SDPA call per group (per
+    R rows with `copies`). copies: this layer's `PrefixCopies.buf` row [2, R, kv_heads, capacity, D],
+    synced to `synced` slots; start: the committed prefix every row sees first (slots [0, start))."""
+    return _path_attention(q, kv, paths.groups, paths.in_order, scale, copies, synced, start)
 
 
 @script
 def _path_attention(q: torch.Tensor, kv: torch.Tensor,
                     groups: List[Tuple[int, int, Optional[torch.Tensor], int, torch.Tensor, int]],
-                    in_order: bool, scale: float) -> torch.Tensor:
+                    in_order: bool, scale: float, copies: Optional[torch.Tensor], synced: int,
+                    start: int) -> torch.Tensor:
     """path_attention in TorchScript: the same ATen calls without a Python dispatch per op."""
     kvh, D = kv.shape[1], kv.shape[3]
     rows_first = q[0].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, D], a view
+    if copies is not None and synced < start:  # the slots committed since the last verify
+        copies[:, :, :, synced:start] = kv[:, None, :, synced:start]
     outs: List[torch.Tensor] = []
     for first, stop, rows, lead, tail, c in groups:
         qg = rows_first[first:stop] if rows is None else rows_first.index_select(0, rows)
         g = qg.shape[0]
+        if copies is not None and lead >= start and (lead < c or g > 1):
+            own = kv.index_select(2, tail).view(2, kvh, g, c - lead, D).transpose(1, 2)
+            R = copies.shape[1]
+            for s in range(0, g, R):
+                e = min(g, s + R)
+                view = copies[:, : e - s]  # [2, rows, kv_heads, capacity, D]
+                view[:, :, :, start:lead] = kv[:, None, :, start:lead]
+                view[:, :, :, lead:c] = own[:, s:e]
+                outs.append(F.scaled_dot_product_attention(qg[s:e], view[0, :, :, :c], view[1, :, :, :c],
+                                                           scale=scale, enable_gqa=True))
+            continue
         both = kv[:, None, :, :lead]  # [2, 1, kv_heads, lead, D]
         if lead < c or g > 1:  # K and V of the group's rows: [2, rows, kv_heads, c, D]
             own = kv.index_select(2, tail).view(2, kvh, g, c - lead, D).transpose(1, 2)
@@ -73,10 +119,14 @@ def _path_attention(q: torch.Tensor, kv: torch.Tensor,
     if in_order:
         return torch.cat(outs)
     out = torch.empty_like(rows_first)
-    for i in range(len(groups)):
-        first, stop, rows, lead, tail, c = groups[i]
+    i = 0
+    for first, stop, rows, lead, tail, c in groups:
+        chunks = 1 if copies is None or lead < start or not (lead < c or stop - first > 1) else \
+            (stop - first + copies.shape[1] - 1) // copies.shape[1]
+        got = outs[i] if chunks == 1 else torch.cat(outs[i:i + chunks])
+        i += chunks
         if rows is None:
-            out[first:stop] = outs[i]
+            out[first:stop] = got
         else:
-            out.index_copy_(0, rows, outs[i])
+            out.index_copy_(0, rows, got)
     return out

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from infer.cpu.fused import extension as fused_extension
-from infer.cpu.exact_attention import PathGroups, path_attention
+from infer.cpu.exact_attention import PathGroups, PrefixCopies, path_attention
 from infer.cpu.packed import NotPacked, PackedLinear, packing_unsupported, rows_depend_on_count
 from infer.cpu.scripted import attention_inputs, output_and_mlp
 from pipeline.target import FULL, attention_layout, text_config
@@ -35,18 +35,23 @@ class StaticKV:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, like: torch.Tensor, capacity: int = 512):
         self.kv = like.new_empty((layers, 2, kv_heads, capacity, head_dim))  # slots are written before read
         self.length = 0
+        self.copies: PrefixCopies | None = None  # made by the first exact verify (exact_attention.py)
 
     def reserve(self, end: int) -> None:
         cap = self.kv.shape[3]
         if end > cap:
             pad = self.kv.new_empty((*self.kv.shape[:3], max(end, 2 * cap) - cap, self.kv.shape[4]))
             self.kv = torch.cat([self.kv, pad], dim=3)
+        if self.copies is not None:
+            self.copies.fit(self.kv.shape[3])
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None:
         """Move slots src -> dst in every layer at once, then keep [0, new_len)."""
         s, d = src.to(self.kv.device), dst.to(self.kv.device)
         self.kv.index_copy_(3, d, self.kv.index_select(3, s))
         self.length = new_len
+        if self.copies is not None:
+            self.copies.cut(min(new_len, int(d.min()) if d.numel() else new_len))
 
 
 def lean_unsupported(model) -> str | None:
@@ -139,6 +144,8 @@ class LeanTarget:
         if mask is not None and self.exact_attention:  # a verify: rows as their 1-token steps round
             key_positions = torch.cat([torch.arange(start, device=positions.device), positions])
             mask = PathGroups(mask, key_positions)
+            if cache.copies is None:
+                cache.copies = PrefixCopies(cache.kv)
         causal = mask is None and n > 1
         if causal and start > 0:  # new rows see the whole prefix and each other causally
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
@@ -150,26 +157,31 @@ class LeanTarget:
         scripted = self.script_args is not None
         if scripted:
             cos, sin = cos[:, :, None], sin[:, :, None]  # for q and k rows laid out [1, n, heads, D]
+        exact = isinstance(mask, PathGroups)
         for i, layer in enumerate(self.inner.layers):
+            copies = (cache.copies.buf[i], cache.copies.synced) if exact else None
             if scripted:
                 x = self._layer_scripted(self.script_args[i], x, cos, sin, cache.kv[i], start, end, mask,
-                                         causal, rows)
+                                         causal, rows, copies)
             else:
                 x = self._layer(layer, x, cos, sin, cache.kv[i], start, end, mask, causal,
-                                self.packed["layers"][i] if self.packed else None, rows)
+                                self.packed["layers"][i] if self.packed else None, rows, copies)
             if i in self.aux_layer_ids:
                 aux.append(x[0])
         cache.length = end
+        if exact:
+            cache.copies.synced = start
         h = self.inner.norm(x[:, -1:] if last_only else x)
         lm_head = self.packed["lm_head"] if self.packed else self.model.lm_head
         return by_rows(lm_head, h, rows[4])[0].float(), torch.cat(aux, dim=-1)
 
     def _layer(self, layer, x, cos, sin, kv, start: int, end: int, mask, causal: bool,
-               packed: dict | None, rows: list[bool]) -> torch.Tensor:
+               packed: dict | None, rows: list[bool], copies=None) -> torch.Tensor:
         """One decoder layer in HF's order through the model's modules (fp32, Qwen3's q/k norms, or a
         layer the script does not reproduce); writes this layer's K/V (kv [2, kv_heads, capacity, D]).
         packed: this layer's oneDNN-packed q|k|v, o, gate|up and down (or None: the modules' own).
-        rows: `row_wise` for a verify (without packing, the MLP runs a row at a time as one unit)."""
+        rows: `row_wise` for a verify (without packing, the MLP runs a row at a time as one unit).
+        copies: an exact verify's (this layer's PrefixCopies buffer, its synced slots), else None."""
         a, n, D = layer.self_attn, x.shape[1], self.head_dim
         h = layer.input_layernorm(x)
         if packed:
@@ -182,7 +194,7 @@ class LeanTarget:
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = v.view(1, n, self.kv_heads, D).transpose(1, 2)
-        attn = self._attend(q, k, v, kv, start, end, mask, causal)
+        attn = self._attend(q, k, v, kv, start, end, mask, causal, copies)
         x = x + by_rows(packed["o"] if packed else a.o_proj, attn, rows[1])
         h = layer.post_attention_layernorm(x)
         if not packed:
@@ -191,7 +203,7 @@ class LeanTarget:
         return x + by_rows(packed["down"], layer.mlp.act_fn(gate) * up, rows[3])
 
     def _layer_scripted(self, args: tuple, x, cos, sin, kv, start: int, end: int, mask, causal: bool,
-                        rows: list[bool]):
+                        rows: list[bool], copies=None):
         """`_layer` for a packed Llama-shaped layer, in its two halves around the attention: the C++ ones
         (`self.fused`) or, where that is None, the TorchScript ones (infer/cpu/scripted.py); args: this
         layer's `script_args` entry."""
@@ -203,7 +215,7 @@ class LeanTarget:
         else:
             q, k, v = attention_inputs(x, norm1, eps1, qkv, qkv_b, cos, sin, self.heads, self.kv_heads,
                                        self.head_dim, rows[:4])
-        attn = self._attend(q, k, v, kv, start, end, mask, causal)
+        attn = self._attend(q, k, v, kv, start, end, mask, causal, copies)
         tail = halves.output_and_mlp if halves is not None else output_and_mlp
         return tail(x, attn, o, o_b, norm2, eps2, gate_up, gate_up_b, down, down_b, rows[:4])
 
@@ -222,15 +234,16 @@ class LeanTarget:
         parts = [(qkv, H), (p["o"] if p else a.o_proj, width), *mlp_parts, (lm_head, H)]
         return [rows_depend_on_count(fn, k, self.weight) for fn, k in parts]
 
-    def _attend(self, q, k, v, kv, start: int, end: int, mask, causal: bool) -> torch.Tensor:
+    def _attend(self, q, k, v, kv, start: int, end: int, mask, causal: bool, copies=None) -> torch.Tensor:
         """Write k, v [1, kv_heads, n, D] at slots [start, end) (None: written already); attend q
-        [1, heads, n, D] -> [1, n, heads * D]."""
+        [1, heads, n, D] -> [1, n, heads * D]. copies: see `_layer`."""
         n, width = q.shape[2], self.heads * self.head_dim
         if k is not None:
             kv[0, :, start:end] = k[0]
             kv[1, :, start:end] = v[0]
         if isinstance(mask, PathGroups):  # exact attention: [n, heads, 1, D]
-            return path_attention(q, kv[:, :, :end], mask, self.scaling).reshape(1, n, width)
+            buf, synced = copies if copies is not None else (None, 0)
+            return path_attention(q, kv[:, :, :end], mask, self.scaling, buf, synced, start).reshape(1, n, width)
         o = F.scaled_dot_product_attention(q, kv[0, None, :, :end], kv[1, None, :, :end], attn_mask=mask,
                                            is_causal=causal, scale=self.scaling, enable_gqa=True)
         return o.transpose(1, 2).reshape(1, n, width)
