@@ -26,7 +26,7 @@ from infer.draft import DraftRunner
 from infer.round_cost import DraftGate, RoundCosts, measure_round_costs
 from pipeline.target import default_aux_layers, num_layers
 from infer.target import TargetRunner
-from infer.tree import accept_sampling, compaction_indices
+from infer.tree import accept_sampling, compaction_indices, sampling_probs
 from infer.tree_tensor import accept_greedy_tensor
 from pipeline.yaml_config import StrictModel
 
@@ -138,16 +138,6 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tupl
         return [(c, []) for c in chosen]
     vals, ids = lp.topk(k, dim=-1)
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist())]
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The target's sampling distribution, with the same temperature / top-p rules as HF generate."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-    scores = TemperatureLogitsWarper(temperature)(None, logits.float())
-    if top_p < 1.0:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    return torch.softmax(scores, dim=-1)
 
 
 def draft_runner(head, embed: torch.Tensor, cpu_path: str = "auto"):
@@ -290,10 +280,10 @@ class EagleGenerator:
             hid, dlog = self.draft.ingest(aux, nxt.to(aux.device), torch.arange(plen, device=aux.device))
         # cost sizing: rounds that do not pay become plain steps; `pending` holds the draft's inputs
         # (aux rows, next tokens, positions) for the positions it skipped, ingested at the next drafting round
-        # a seeded request's shapes follow its seed alone; an unseeded one goes on from the last one's gate
-        gate = None
+        gate = None  # unseeded: going on from the last request's gate; seeded: shapes that follow the seed alone
         if s.sizing == "adaptive" and mode != "vanilla":
-            gate = DraftGate() if s.seed is not None else DraftGate.after(self.last_gate)
+            gate = DraftGate.after(self.last_gate if s.seed is None else None)
+            self.last_gate = gate if s.seed is None else self.last_gate  # the next request reads its state then
         pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         while reason is None:
             t_round = time.perf_counter()
@@ -335,8 +325,6 @@ class EagleGenerator:
                     plen += len(accepted)
                     stats.add_split("draft", time.perf_counter() - t_ingest)
             stats.split["other"] += time.perf_counter() - t_round - stats.round_seconds()
-            if reason is not None and gate is not None and s.seed is None:
-                self.last_gate = gate
             yield self._snapshot(out, stats, reason, t0, lps if s.logprobs is not None else None)
 
     def _plain_step(self, root: int, plen: int, cache, s: SpecSettings, gen, stats: SpecStats):

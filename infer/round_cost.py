@@ -129,6 +129,7 @@ class DraftGate:
     backoff: int = field(default=0, init=False)  # starts at min_backoff
     plain_left: int = field(default=0, init=False)
     probing: bool = field(default=False, init=False)
+    total: float = field(default=0.0, init=False)  # the request's gains summed (`after`)
 
     def __post_init__(self):
         self.backoff = self.min_backoff
@@ -136,12 +137,13 @@ class DraftGate:
     @classmethod
     def after(cls, last: "DraftGate | None") -> "DraftGate":
         """A request's gate that goes on from the last request's (`last`, None: a fresh one). Where drafting
-        had stopped paying, the new request starts with the plain steps the last one would have taken next
-        and then probes, instead of paying for its first drafting rounds again: a head that loses on one kind
-        of traffic stays out of it from one request to the next, and its probes keep the last request's
-        calibration (shallow, narrow trees) until acceptance returns. After a paying request: a fresh gate."""
+        lost over the whole last request, the new one starts with the plain steps the last would have taken
+        next and then probes, instead of paying for its first drafting rounds again: a head that loses on one
+        kind of traffic stays out of it from one request to the next, and its probes keep the last request's
+        calibration (shallow, narrow trees) until acceptance returns. After a request where drafting paid
+        in all (a losing stretch at its end included): a fresh gate."""
         gate = cls()
-        if last is not None and last.score is not None and last.score < 0:
+        if last is not None and last.score is not None and last.score < 0 and last.total < 0:
             gate.backoff, gate.score = last.backoff, last.score
             gate.plain_left, gate.probing = last.backoff, True
             gate.calibration = dataclasses.replace(last.calibration)
@@ -156,6 +158,7 @@ class DraftGate:
         return True
 
     def record(self, gained: float) -> None:
+        self.total += gained
         fresh = self.score is None or self.probing
         self.score = gained if fresh else self.decay * self.score + (1 - self.decay) * gained
         if self.score < 0:

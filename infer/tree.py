@@ -163,3 +163,13 @@ def verify_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, window: int | N
     mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=dev)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The target's sampling distribution, with the same temperature / top-p rules as HF generate."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    scores = TemperatureLogitsWarper(temperature)(None, logits.float())
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)

@@ -152,7 +152,7 @@ def test_replayed_useless_draft_stays_out_across_short_requests():
             tokens, ms, last = tokens + t, ms + m, gate
         rates[carry] = tokens / ms / plain
     assert rates[False] < 0.98 <= rates[True], rates
-    # a losing gate hands on its backoff; a winning or fresh one hands on nothing
+    # a request that lost in all hands on its backoff; one that paid in all, or a fresh one, nothing
     lost = DraftGate()
     lost.record(-0.5)
     lost.record(-0.5)  # a losing probe: backoff doubled
@@ -160,7 +160,11 @@ def test_replayed_useless_draft_stays_out_across_short_requests():
     assert (nxt.plain_left, nxt.backoff, nxt.probing) == (4, 4, True) and not nxt.drafts()
     won = DraftGate()
     won.record(0.7)
-    assert DraftGate.after(won).plain_left == DraftGate.after(None).plain_left == 0
+    paid = DraftGate()
+    for g in (2.0, 1.5, -1.5, -1.5):  # paid in all, though its last rounds lost
+        paid.record(g)
+    assert paid.score < 0 and paid.plain_left > 0
+    assert DraftGate.after(won).plain_left == DraftGate.after(paid).plain_left == DraftGate.after(None).plain_left == 0
 
 
 def test_replayed_trace_recovers_when_acceptance_returns():

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from infer.generate import EagleGenerator, SpecSettings, sampling_probs
+from infer.generate import EagleGenerator, SpecSettings
+from infer.tree import sampling_probs
 from trainer.head import Eagle3Head, head_config_from_target
 
 SETTINGS = SpecSettings(mode="tree", top_k=3, depth=2, total_tokens=6, max_new_tokens=3, temperature=0.8,
