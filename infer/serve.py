@@ -1,13 +1,12 @@
 """python -m infer.serve CONFIG.yaml [key=value ...]  — OpenAI-compatible speculative decoding on Ray Serve.
 
-Routes: POST /v1/chat/completions (stream or not), POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text, infer/serve_metrics.py), GET and POST /v1/admin/head (the hot swap,
-infer/head_swap.py).
+Routes: POST /v1/chat/completions (stream or not), POST /v1/completions, GET /v1/models, GET /health, GET
+/metrics (infer/serve_metrics.py), GET and POST /v1/admin/head (the hot swap, infer/head_swap.py).
 Every request is validated before it reaches the model; errors are OpenAI-style JSON bodies naming the
-field. A replica decodes one request at a time (batch 1) between rounds of which it checks the client
-and the request deadline, so a disconnected stream frees the replica at the next round.
-The deployment is a module-level class sized by `.options()` from the YAML. No postponed annotations here:
-FastAPI must see the handlers' real parameter types. The application is importable for `serve run infer.serve:app_from_env` too (config in $EAGLERAY_SERVE_CONFIG).
+field. A replica decodes one request at a time (batch 1), checking the client and the request deadline
+between rounds, so a disconnected stream frees the replica at the next round. The deployment is a
+module-level class sized by `.options()` from the YAML. No postponed annotations here: FastAPI must see the
+handlers' real parameter types. `serve run infer.serve:app_from_env` works too ($EAGLERAY_SERVE_CONFIG).
 """
 import asyncio
 import logging

@@ -103,13 +103,15 @@ def _path_attention(q: torch.Tensor, kv: torch.Tensor,
         if copies is not None and lead >= start and (lead < c or g > 1):
             own = kv.index_select(2, tail).view(2, kvh, g, c - lead, D).transpose(1, 2)
             R = copies.shape[1]
+            parts: List[torch.Tensor] = []
             for s in range(0, g, R):
                 e = min(g, s + R)
                 view = copies[:, : e - s]  # [2, rows, kv_heads, capacity, D]
                 view[:, :, :, start:lead] = kv[:, None, :, start:lead]
                 view[:, :, :, lead:c] = own[:, s:e]
-                outs.append(F.scaled_dot_product_attention(qg[s:e], view[0, :, :, :c], view[1, :, :, :c],
-                                                           scale=scale, enable_gqa=True))
+                parts.append(F.scaled_dot_product_attention(qg[s:e], view[0, :, :, :c], view[1, :, :, :c],
+                                                            scale=scale, enable_gqa=True))
+            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts))
             continue
         both = kv[:, None, :, :lead]  # [2, 1, kv_heads, lead, D]
         if lead < c or g > 1:  # K and V of the group's rows: [2, rows, kv_heads, c, D]
@@ -119,14 +121,10 @@ def _path_attention(q: torch.Tensor, kv: torch.Tensor,
     if in_order:
         return torch.cat(outs)
     out = torch.empty_like(rows_first)
-    i = 0
-    for first, stop, rows, lead, tail, c in groups:
-        chunks = 1 if copies is None or lead < start or not (lead < c or stop - first > 1) else \
-            (stop - first + copies.shape[1] - 1) // copies.shape[1]
-        got = outs[i] if chunks == 1 else torch.cat(outs[i:i + chunks])
-        i += chunks
+    for i in range(len(groups)):
+        first, stop, rows, lead, tail, c = groups[i]
         if rows is None:
-            out[first:stop] = got
+            out[first:stop] = outs[i]
         else:
-            out.index_copy_(0, rows, got)
+            out.index_copy_(0, rows, outs[i])
     return out
