@@ -283,7 +283,8 @@ class EagleGenerator:
         gate = None  # unseeded: going on from the last request's gate; seeded: shapes that follow the seed alone
         if s.sizing == "adaptive" and mode != "vanilla":
             gate = DraftGate.after(self.last_gate if s.seed is None else None)
-            self.last_gate = gate if s.seed is None else self.last_gate  # the next request reads its state then
+            if s.seed is None:
+                self.last_gate = gate  # the next request reads its state then
         pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         while reason is None:
             t_round = time.perf_counter()

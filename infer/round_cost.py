@@ -20,7 +20,7 @@ off-domain prompt), the decoder takes plain 1-token steps and does not run the d
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 import statistics
 import time
@@ -146,8 +146,7 @@ class DraftGate:
         if last is not None and last.score is not None and last.score < 0 and last.total < 0:
             gate.backoff, gate.score = last.backoff, last.score
             gate.plain_left, gate.probing = last.backoff, True
-            gate.calibration = dataclasses.replace(last.calibration)
-            gate.calibration.accepted, gate.calibration.expected = last.calibration.accepted, last.calibration.expected
+            gate.calibration = copy.copy(last.calibration)
         return gate
 
     def drafts(self) -> bool:

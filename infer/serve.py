@@ -1,12 +1,11 @@
 """python -m infer.serve CONFIG.yaml [key=value ...]  — OpenAI-compatible speculative decoding on Ray Serve.
 
 Routes: POST /v1/chat/completions (stream or not), POST /v1/completions, GET /v1/models, GET /health, GET
-/metrics (infer/serve_metrics.py), GET and POST /v1/admin/head (the hot swap, infer/head_swap.py).
-Every request is validated before it reaches the model; errors are OpenAI-style JSON bodies naming the
-field. A replica decodes one request at a time (batch 1), checking the client and the request deadline
-between rounds, so a disconnected stream frees the replica at the next round. The deployment is a
-module-level class sized by `.options()` from the YAML. No postponed annotations here: FastAPI must see the
-handlers' real parameter types. `serve run infer.serve:app_from_env` works too ($EAGLERAY_SERVE_CONFIG).
+/metrics (infer/serve_metrics.py), GET and POST /v1/admin/head (the hot swap, infer/head_swap.py). Requests
+are validated before the model; errors are OpenAI-style JSON bodies naming the field. A replica decodes one
+request at a time (batch 1), checking the client and the deadline between rounds, so a disconnected stream
+frees it at the next round. The deployment is a module-level class sized by `.options()` from the YAML. No
+postponed annotations: FastAPI must see the handlers' real types. `serve run infer.serve:app_from_env` too.
 """
 import asyncio
 import logging
