@@ -1,14 +1,16 @@
-"""Flywheel benchmark: one round of learning from served traffic on the demo, the swap under load, judged.
+"""Flywheel benchmark: one round of learning from served traffic, the swap under load, judged.
 
-    python -m tools.bench.flywheel --traffic GSM8K/train.jsonl [--target runs/demo/target]
-        [--head runs/demo/head/head_speculators] [--served 400] [--judge 40] [--out runs/bench_flywheel]
+    python -m tools.bench.flywheel --traffic GSM8K/train.jsonl [--preset demo|smollm2] [--target T] [--head H]
+        [--served 400] [--judge 40] [--speed 20] [--out runs/bench_flywheel]
 
-After `make demo`: the demo endpoint (its target and head, traffic log on) answers `--served` questions of a
-domain the head was not trained on (GSM8K's train split, not shipped: data/README.md "Larger corpora"),
-then one flywheel round (configs/flywheel/demo.yaml: log -> pipeline -> train -> gate) runs against it, and
-its swap step runs while 16 clients send requests without pause. Judged afterwards, old head against new on prompts no round saw: GSM8K test
-questions (the domain) and MT-Bench and C-Eval (the others), fixed tree, each output compared with the
-target alone's. Last line: one JSON object.
+After `make demo` (or SmolLM2's starter head, `--preset smollm2`): the preset's endpoint (configs/serve/, its
+target and head, traffic log on) answers `--served` questions of one domain (GSM8K's train split, not
+shipped: data/README.md "Larger corpora"), then one flywheel round (configs/flywheel/: log -> pipeline ->
+train -> gate) runs against it, and its swap step runs while 16 clients send requests without pause. Judged
+afterwards on prompts no round saw, GSM8K test questions (the domain) and MT-Bench and C-Eval (the others):
+old head against new, tau on the fixed tree; and the decode speed of the served policy (the endpoint's
+speculative settings, adaptive) over the target alone, each output compared with the target alone's.
+Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from infer.benchmarks import read_gsm8k
+from pipeline import storage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +97,6 @@ def control_head(cfg, rnd, out: Path) -> str:
     """The control: the serving head trained as many steps on its old shards alone (no traffic) -> its folder.
     What the round gains beyond it is the traffic's; the rest is more training."""
     from infer.flywheel import derived_yaml
-    from pipeline import storage
     from trainer.config import TrainConfig
     from trainer.driver import run_training
     from pipeline.yaml_config import load_config
@@ -141,21 +143,56 @@ def judge(target: Path, old: str, new: str, n: int, out: Path) -> dict:
                                decode={"sizing": "fixed", "max_new_tokens": 64}))
 
 
+def speed(scfg, head: str, n: int, out: Path) -> dict:
+    """The served policy (the endpoint's speculative settings) over the target alone, on `n` prompts of each
+    judged benchmark (infer/eval.py: both decode every turn in one actor) -> {benchmark: speedup, identical}."""
+    from infer.eval import EvalConfig, evaluate
+
+    benches = [{"name": "gsm8k", "kind": "gsm8k", "path": ROOT / "data/gsm8k/test.jsonl", "limit": n},
+               {"name": "mt_bench", "kind": "mt_bench", "path": ROOT / "data/mt_bench/question.jsonl", "limit": n},
+               {"name": "ceval", "kind": "ceval", "path": ROOT / "data/ceval", "limit": n}]
+    decode = scfg.speculative.model_dump() | {"max_new_tokens": 96}
+    report = evaluate(EvalConfig(target=scfg.target, head=head, out_dir=out, benchmarks=benches, decode=decode,
+                                 compare_fixed=False, dtype=scfg.dtype, threads_per_actor=2))
+    return {name: {"speedup": b["speedup"], "tau": b["tau"], "identical": b["match_rate"] == 1.0}
+            for name, b in report["benchmarks"].items()}
+
+
+def speed_keys(timed: dict) -> dict:
+    """The JSON's speed keys: the domain's (GSM8K) before and after the round, the other benchmarks'."""
+    if not timed:
+        return {}
+    other = lambda side: {n: b["speedup"] for n, b in timed[side].items() if n != "gsm8k"}  # noqa: E731
+    return {"domain_speedup_before": timed["before"]["gsm8k"]["speedup"],
+            "domain_speedup_after": timed["after"]["gsm8k"]["speedup"],
+            "other_speedup_before": other("before"), "other_speedup_after": other("after"),
+            "speed_tau": {side: {n: b["tau"] for n, b in t.items()} for side, t in timed.items()}}
+
+
+PRESETS = {"demo": ("configs/serve/demo.yaml", "configs/flywheel/demo.yaml"),
+           "smollm2": ("configs/serve/smollm2.yaml", "configs/flywheel/smollm2.yaml")}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", type=Path, default=ROOT / "runs/demo/target")
-    ap.add_argument("--head", type=Path, default=ROOT / "runs/demo/head/head_speculators")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="demo",
+                    help="the endpoint (configs/serve/) and round (configs/flywheel/) configs, target and head")
+    ap.add_argument("--target", type=Path, help="null: the preset's serve config's")
+    ap.add_argument("--head", type=Path, help="null: the preset's serve config's")
     ap.add_argument("--traffic", type=Path, help="the served questions: GSM8K's train.jsonl (not shipped)")
     ap.add_argument("--served", type=int, default=400, help="traffic requests served before the round")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--judge", type=int, default=40, help="prompts of each judged benchmark")
-    ap.add_argument("--config", type=Path, default=ROOT / "configs/flywheel/demo.yaml")
+    ap.add_argument("--speed", type=int, default=20, help="prompts of each benchmark timed; 0: no timing")
+    ap.add_argument("--config", type=Path, help="the round's config; null: the preset's")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench_flywheel")
     ap.add_argument("--skip", nargs="*", default=[], choices=["control", "vllm"],
                     help="control: no replay-only head; vllm: no redeploy of the vllm backend")
     ap.add_argument("--vllm-only", type=Path, metavar="CANDIDATE",
                     help="only the vllm backend's redeploy from --head to this head folder")
     args = ap.parse_args(argv)
+    serve_yaml, round_yaml = (ROOT / p for p in PRESETS[args.preset])
+    args.config = args.config or round_yaml
     from infer.cluster.local import free_port
     from infer.flywheel import (STEPS, FlywheelConfig, Round, endpoint_call, serving, step_gate, step_log,
                                 step_pipeline, step_swap, step_train)
@@ -174,9 +211,12 @@ def main(argv=None) -> dict:
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     port = free_port()
-    scfg = load_config(ServeConfig, ROOT / "configs/serve/demo.yaml", [
-        f"target={args.target}", f"head={args.head}", f"port={port}", "num_cpus_per_replica=0",
+    given = [f"target={args.target}"] * bool(args.target) + [f"head={args.head}"] * bool(args.head)
+    scfg = load_config(ServeConfig, serve_yaml, given + [
+        f"port={port}", "num_cpus_per_replica=0",
         f"traffic_log.path={args.out / 'traffic'}", "traffic_log.flush_rows=64", "traffic_log.flush_s=1"])
+    scfg = scfg.model_copy(update={"target": storage.absolute(scfg.target), "head": storage.absolute(scfg.head)})
+    args.target, args.head = scfg.target, scfg.head
     url = start(scfg)
     cfg = load_config(FlywheelConfig, args.config, [f"endpoint={url}", f"work_dir={args.out / 'flywheel'}"])
     if args.traffic is None or not args.traffic.is_file():
@@ -220,6 +260,10 @@ def main(argv=None) -> dict:
     from infer.serve import stop
 
     serve.delete(scfg.app_name)
+    timed = {}
+    if args.speed:
+        timed = {side: speed(scfg, head, args.speed, args.out / f"speed_{side}") for side, head in
+                 (("before", str(args.head)), ("after", rnd.state["steps"]["train"]["candidate"]))}
     control = None
     if "control" not in args.skip:
         ctl = judge(args.target, str(args.head), control_head(cfg, rnd, args.out), args.judge, args.out / "judge_control")
@@ -239,8 +283,9 @@ def main(argv=None) -> dict:
         "other_tau_before": {n: s["serving_tau"] for n, s in sets.items() if n != "gsm8k"},
         "other_tau_after": {n: s["candidate_tau"] for n, s in sets.items() if n != "gsm8k"},
         "other_ratio": {n: s["ratio"] for n, s in sets.items() if n != "gsm8k"},
+        **speed_keys(timed),
         "identical": report["identical"] and rnd.state["steps"]["gate"]["identical"]
-        and all(len(t) == 1 for t in texts.values()),
+        and all(len(t) == 1 for t in texts.values()) and all(b["identical"] for t in timed.values() for b in t.values()),
         "gate": {k: rnd.state["steps"]["gate"][k] for k in ("sets", "promote", "reasons")},
         "control_replay_only": control, "vllm_redeploy": vllm,
         "round_s": round(round_s, 1), "steps_s": {s: rnd.state["steps"][s]["seconds"] for s in STEPS[:5]},
