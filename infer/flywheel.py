@@ -27,8 +27,8 @@ from pydantic import Field
 from infer.eval import Bench
 from infer.generate import SpecSettings
 from pipeline import storage
-from pipeline.yaml_config import (ExistingPath, InputLocation, Location, StrictModel, config_arguments, errors_exit,
-                                  load_config, load_or_exit, parse_override, set_dotted)
+from pipeline.yaml_config import (ExistingPath, InputLocation, Location, ModelDtype, StrictModel, config_arguments,
+                                  errors_exit, load_config, load_or_exit, parse_override, set_dotted)
 
 STEPS = ("log", "pipeline", "train", "gate", "swap", "report")
 
@@ -45,6 +45,8 @@ class FlywheelGate(StrictModel):
     min_gain: float = Field(1.05, gt=0, description="candidate/serving tau on the held-out traffic, at least")
     max_drop: float = Field(0.02, ge=0, lt=1, description="a benchmark's tau may fall by this share at most")
     held_out_limit: int | None = Field(None, gt=0, description="held-out records judged; null: all")
+    dtype: ModelDtype = Field("auto", description="target and heads (tau only: no timing in the verdict)")
+    threads_per_actor: int | None = Field(None, description="torch threads of the gate's actor; null: 1")
 
 
 class FlywheelConfig(StrictModel):
@@ -210,7 +212,8 @@ def step_gate(rnd: Round, cfg: FlywheelConfig) -> dict:
         target=pcfg.target, serving=rnd.state["steps"]["log"]["head"],
         candidate=rnd.state["steps"]["train"]["candidate"],
         held_out=storage.join(pcfg.stage_dir("ingest"), "held_out.jsonl"), held_out_limit=g.held_out_limit,
-        benchmarks=g.benchmarks, decode=g.decode, min_gain=g.min_gain, max_drop=g.max_drop, out_dir=rnd.dir))
+        benchmarks=g.benchmarks, decode=g.decode, min_gain=g.min_gain, max_drop=g.max_drop, out_dir=rnd.dir,
+        dtype=g.dtype, threads_per_actor=g.threads_per_actor))
     print(summary_line(result), flush=True)
     return {k: result[k] for k in ("sets", "identical", "promote", "reasons")}
 

@@ -133,14 +133,14 @@ def vllm_swap(target: Path, old: str, new: str, prompts: list[str], port: int) -
             "errors": load.errors[:3]}
 
 
-def judge(target: Path, old: str, new: str, n: int, out: Path) -> dict:
+def judge(target: Path, old: str, new: str, n: int, out: Path, dtype: str = "auto") -> dict:
     from infer.gate import GateConfig, run_gate
 
     benches = [{"name": "gsm8k", "kind": "gsm8k", "path": ROOT / "data/gsm8k/test.jsonl", "limit": n},
                {"name": "mt_bench", "kind": "mt_bench", "path": ROOT / "data/mt_bench/question.jsonl", "limit": n},
                {"name": "ceval", "kind": "ceval", "path": ROOT / "data/ceval", "limit": n}]
     return run_gate(GateConfig(target=target, serving=old, candidate=new, benchmarks=benches, out_dir=out,
-                               decode={"sizing": "fixed", "max_new_tokens": 64}))
+                               decode={"sizing": "fixed", "max_new_tokens": 64}, dtype=dtype, threads_per_actor=2))
 
 
 def speed(scfg, head: str, n: int, out: Path) -> dict:
@@ -253,7 +253,8 @@ def main(argv=None) -> dict:
     texts: dict[str, set] = {}
     for _, p, text, _ in load.results:
         texts.setdefault(p, set()).add(text)
-    report = judge(args.target, str(args.head), rnd.state["steps"]["train"]["candidate"], args.judge, args.out)
+    report = judge(args.target, str(args.head), rnd.state["steps"]["train"]["candidate"], args.judge, args.out,
+                   scfg.dtype)
     sets = report["sets"]
     from ray import serve
 
@@ -266,7 +267,8 @@ def main(argv=None) -> dict:
                  (("before", str(args.head)), ("after", rnd.state["steps"]["train"]["candidate"]))}
     control = None
     if "control" not in args.skip:
-        ctl = judge(args.target, str(args.head), control_head(cfg, rnd, args.out), args.judge, args.out / "judge_control")
+        ctl = judge(args.target, str(args.head), control_head(cfg, rnd, args.out), args.judge, args.out / "judge_control",
+                    scfg.dtype)
         control = {n: {"tau": s["candidate_tau"], "ratio": s["ratio"]} for n, s in ctl["sets"].items()}
     vllm = None if "vllm" in args.skip else vllm_swap(args.target, str(args.head),
                                                      rnd.state["steps"]["train"]["candidate"], load_prompts,
