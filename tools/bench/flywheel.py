@@ -133,13 +133,17 @@ def vllm_swap(target: Path, old: str, new: str, prompts: list[str], port: int) -
             "errors": load.errors[:3]}
 
 
+def judged(n: int) -> list[dict]:
+    """The judged benchmarks, `n` prompts each: GSM8K test (the domain), MT-Bench and C-Eval (the others)."""
+    return [{"name": "gsm8k", "kind": "gsm8k", "path": ROOT / "data/gsm8k/test.jsonl", "limit": n},
+            {"name": "mt_bench", "kind": "mt_bench", "path": ROOT / "data/mt_bench/question.jsonl", "limit": n},
+            {"name": "ceval", "kind": "ceval", "path": ROOT / "data/ceval", "limit": n}]
+
+
 def judge(target: Path, old: str, new: str, n: int, out: Path, dtype: str = "auto") -> dict:
     from infer.gate import GateConfig, run_gate
 
-    benches = [{"name": "gsm8k", "kind": "gsm8k", "path": ROOT / "data/gsm8k/test.jsonl", "limit": n},
-               {"name": "mt_bench", "kind": "mt_bench", "path": ROOT / "data/mt_bench/question.jsonl", "limit": n},
-               {"name": "ceval", "kind": "ceval", "path": ROOT / "data/ceval", "limit": n}]
-    return run_gate(GateConfig(target=target, serving=old, candidate=new, benchmarks=benches, out_dir=out,
+    return run_gate(GateConfig(target=target, serving=old, candidate=new, benchmarks=judged(n), out_dir=out,
                                decode={"sizing": "fixed", "max_new_tokens": 64}, dtype=dtype, threads_per_actor=2))
 
 
@@ -148,11 +152,8 @@ def speed(scfg, head: str, n: int, out: Path) -> dict:
     judged benchmark (infer/eval.py: both decode every turn in one actor) -> {benchmark: speedup, identical}."""
     from infer.eval import EvalConfig, evaluate
 
-    benches = [{"name": "gsm8k", "kind": "gsm8k", "path": ROOT / "data/gsm8k/test.jsonl", "limit": n},
-               {"name": "mt_bench", "kind": "mt_bench", "path": ROOT / "data/mt_bench/question.jsonl", "limit": n},
-               {"name": "ceval", "kind": "ceval", "path": ROOT / "data/ceval", "limit": n}]
     decode = scfg.speculative.model_dump() | {"max_new_tokens": 96}
-    report = evaluate(EvalConfig(target=scfg.target, head=head, out_dir=out, benchmarks=benches, decode=decode,
+    report = evaluate(EvalConfig(target=scfg.target, head=head, out_dir=out, benchmarks=judged(n), decode=decode,
                                  compare_fixed=False, dtype=scfg.dtype, threads_per_actor=2))
     return {name: {"speedup": b["speedup"], "tau": b["tau"], "identical": b["match_rate"] == 1.0}
             for name, b in report["benchmarks"].items()}
@@ -199,17 +200,6 @@ def main(argv=None) -> dict:
     from infer.serve import ServeConfig, start
     from pipeline.yaml_config import load_config
 
-    if args.vllm_only:
-        from infer.serve import stop
-
-        load_prompts = [it["turns"][0] for it in read_gsm8k(ROOT / "data/gsm8k/test.jsonl", 64)]
-        result = {"vllm_redeploy": vllm_swap(args.target, str(args.head), str(args.vllm_only), load_prompts,
-                                             free_port())}
-        stop()
-        print(json.dumps(result), flush=True)
-        return result
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
     port = free_port()
     given = [f"target={args.target}"] * bool(args.target) + [f"head={args.head}"] * bool(args.head)
     scfg = load_config(ServeConfig, serve_yaml, given + [
@@ -217,6 +207,18 @@ def main(argv=None) -> dict:
         f"traffic_log.path={args.out / 'traffic'}", "traffic_log.flush_rows=64", "traffic_log.flush_s=1"])
     scfg = scfg.model_copy(update={"target": storage.absolute(scfg.target), "head": storage.absolute(scfg.head)})
     args.target, args.head = scfg.target, scfg.head
+
+    if args.vllm_only:
+        from infer.serve import stop
+
+        load_prompts = [it["turns"][0] for it in read_gsm8k(ROOT / "data/gsm8k/test.jsonl", 64)]
+        result = {"vllm_redeploy": vllm_swap(args.target, str(args.head), str(args.vllm_only), load_prompts,
+                                             port)}
+        stop()
+        print(json.dumps(result), flush=True)
+        return result
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
     url = start(scfg)
     cfg = load_config(FlywheelConfig, args.config, [f"endpoint={url}", f"work_dir={args.out / 'flywheel'}"])
     if args.traffic is None or not args.traffic.is_file():
