@@ -12,7 +12,7 @@ import sys
 # command -> (module with main(argv), what it does); the stages first
 STAGES = {
     "pipeline": ("pipeline.__main__", "ingest, regenerate, tokenize, capture hidden states, vocabulary"),
-    "train": ("trainer.__main__", "train the EAGLE-3 head on Ray Train + DeepSpeed, export it"),
+    "train": ("infer.onpolicy", "train the EAGLE-3 head on Ray Train + DeepSpeed (then on-policy rounds), export it"),
     "eval": ("infer.eval", "acceptance length and speedup per benchmark, report.md and plots"),
     "serve": ("infer.serve", "OpenAI-compatible speculative decoding on Ray Serve"),
     "flywheel": ("infer.flywheel", "one round: served traffic -> shards -> warm-started head -> gate -> hot swap"),

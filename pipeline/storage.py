@@ -358,6 +358,8 @@ def upload(folder, loc) -> int:
     """Copy a local folder's files to `loc` (a URI or a path), as a user puts a target where every node
     reads it -> the files copied."""
     fs, path = filesystem(loc)
+    if not is_uri(loc):  # a local destination's folders are not made by copy_files
+        Path(path).mkdir(parents=True, exist_ok=True)
     pafs.copy_files(str(Path(folder).resolve()), path, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=fs)
     return len(listing(loc))

@@ -14,6 +14,9 @@ from trainer.config import TrainConfig
 def main(argv: list[str] | None = None) -> dict:
     args = config_arguments("python -m trainer", __doc__, "optim.lr=3e-4").parse_args(argv)
     cfg = load_or_exit(TrainConfig, args.config, args.overrides)
+    if cfg.onpolicy.rounds:
+        raise SystemExit("trainer: onpolicy.rounds: the rounds decode with the serving engine; run them with "
+                         "`eagleray train` (infer/onpolicy.py)")
     from trainer.driver import run_training
 
     with errors_exit("trainer", root_cause=True):

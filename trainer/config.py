@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.yaml_config import ExistingPath, InputLocation, Location, StrictModel, TrainDtype
+from pipeline.yaml_config import ExistingPath, InputLocation, Location, ModelDtype, StrictModel, TrainDtype
 
 
 class Replay(StrictModel):
@@ -174,6 +174,35 @@ class DeepSpeedCfg(StrictModel):
     dtype: TrainDtype = Field("fp32", description="compute dtype; bf16 on a CPU without native bf16 is slow")
 
 
+class OnPolicy(StrictModel):
+    """On-policy rounds after the offline run (`eagleray train`, infer/onpolicy.py): the head decodes fresh
+    training prompts with our engine, the target's answers and the head's acceptance become shards, and a warm
+    start trains on them beside the offline shards (docs/ARCHITECTURE.md §6, "On-policy rounds")."""
+    rounds: int = Field(0, ge=0, description="rounds after the offline run (0: off)")
+    pipeline: ExistingPath | None = Field(
+        None, description="pipeline YAML: its ingest sources give the prompts, tokenize/capture/vocab the shards")
+    records_per_round: int = Field(256, gt=0, description="fresh prompts decoded per round")
+    mode: Literal["tree", "chain"] = Field("tree", description="the rounds' decode: a tree or a chain")
+    top_k: int = Field(4, gt=0, description="tree: children kept per node")
+    depth: int = Field(4, gt=0, description="draft levels per round")
+    total_tokens: int = Field(16, gt=1, description="tree: nodes verified per round, the root included")
+    max_new_tokens: int | None = Field(None, gt=0, description="null: the pipeline's regenerate.max_new_tokens")
+    dtype: ModelDtype = Field("auto", description="target and head of the decode")
+    num_actors: int = Field(1, gt=0, description="Ray Data actors decoding, each with the target and the head")
+    cpus_per_actor: float = Field(1, gt=0, description="Ray CPUs per actor")
+    threads_per_actor: int | None = Field(None, description="torch threads of an actor; null: its Ray CPUs")
+    resources_per_actor: dict[str, float] = Field({}, description="custom Ray resources per actor")
+    replay_share: float = Field(0.5, ge=0, lt=1, description="the offline shards' share of a round's rows")
+    epochs: int | None = Field(None, gt=0, description="a round's epochs; null: epochs")
+    lr: float | None = Field(None, gt=0, description="a round's peak learning rate; null: optim.lr")
+
+    @model_validator(mode="after")
+    def _has_prompts(self):
+        if self.rounds and self.pipeline is None:
+            raise ValueError("pipeline: required when rounds > 0 (the prompts and the rounds' capture)")
+        return self
+
+
 class TrainConfig(StrictModel):
     target: InputLocation = Field(
         description="the target's Hugging Face folder or a URI (the one the shards came from)")
@@ -195,6 +224,7 @@ class TrainConfig(StrictModel):
     ray_address: str | None = Field(None, description="null: join $RAY_ADDRESS if set, else a local Ray")
     export_formats: list[Literal["sglang", "speculators", "dflash"]] | None = Field(
         None, description="null: [sglang, speculators] for eagle3, [dflash] (vLLM's DFlash) for dflash")
+    onpolicy: OnPolicy = OnPolicy()
 
     @model_validator(mode="after")
     def _formats_of_kind(self):

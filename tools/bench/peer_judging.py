@@ -43,17 +43,28 @@ PEER_KINDS = ("speculators", "specforge")
 VERSUS = ("eagleray_vs_best_peer", "eagleray_vs_best_peer_k7", "eagleray_vs_best_peer_pos1")
 
 
-def versus_peers(kinds: dict[str, str], scores: dict[str, dict]) -> dict:
-    """Our default run's vLLM tau (k=3, k=7) and its acceptance at the first draft position (k=3) over the
-    best peer's, on one prompt set; None where either is missing."""
+def versus_peers(kinds: dict[str, str], scores: dict[str, dict], ours_name: str = "eagleray") -> dict:
+    """Our run's (default: the default recipe's) vLLM tau (k=3, k=7) and its acceptance at the first draft
+    position (k=3) over the best peer's, on one prompt set; None where either is missing."""
     def ratio(get):
         peer = [v for n, s in scores.items() if kinds.get(n) in PEER_KINDS and (v := get(s)) is not None]
-        ours = get(scores.get("eagleray", {}))
+        ours = get(scores.get(ours_name, {}))
         return round(ours / max(peer), 4) if peer and ours else None
 
     first = lambda s: (s.get("accept_by_pos_k3") or [None])[0]  # noqa: E731
     return dict(zip(VERSUS, (ratio(lambda s: s.get("vllm_tau_k3")), ratio(lambda s: s.get("vllm_tau_k7")),
                              ratio(first))))
+
+
+def every_run(kinds: dict[str, str], scores: dict[str, dict]) -> dict[str, dict]:
+    """Each of our other runs (--ours) against the best peer (`versus_peers`) and our default run (k=3 tau)."""
+    out = {}
+    for name in scores:
+        if kinds.get(name, "").startswith("eagleray") and name != "eagleray":
+            base, tau = scores.get("eagleray", {}).get("vllm_tau_k3"), scores[name].get("vllm_tau_k3")
+            out[name] = {**versus_peers(kinds, scores, name),
+                         "vs_default": round(tau / base, 4) if tau and base else None}
+    return out
 
 
 def prompt_sets(args, val_rows: int) -> dict[str, dict]:

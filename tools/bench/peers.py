@@ -39,7 +39,7 @@ from pathlib import Path
 from pipeline.shards import read_manifest
 from pipeline.yaml_config import load_config
 from tools.bench.peer_envs import specforge_bench, speculators_prep
-from tools.bench.peer_judging import PEER_KINDS, REPORT, VERSUS, judge, prompt_sets, versus_peers
+from tools.bench.peer_judging import PEER_KINDS, REPORT, VERSUS, every_run, judge, prompt_sets, versus_peers
 from trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
     fmt = "dflash" if kind == "dflash" else "speculators"  # a DFlash head: vLLM's DFlashDraftModel
     base.append(f'export_formats=["{fmt}"]')
     cfg = load_config(TrainConfig, args.ours_config, base + overrides)
-    cmd = [sys.executable, "-m", "trainer", str(args.ours_config), *base, *overrides]
+    cmd = [sys.executable, "-m", "infer.onpolicy", str(args.ours_config), *base, *overrides]  # `eagleray train`
     rc, secs, rss = peak_rss_run(cmd, out / f"{name}.log", env=args.ray_env)
     head = run_dir / f"head_{fmt}"
     entry = {"kind": "eagleray" if kind == "eagle3" else f"eagleray_{kind}", "overrides": overrides,
@@ -126,6 +126,10 @@ def train_ours(name: str, args, overrides: list[str], out: Path) -> dict:
         # whole run (worker start, DeepSpeed, evaluations, checkpoints)
         entry["loop_s"] = report.get("train_loop_s") or report.get("wall_s")
         entry |= {"fit_s": report.get("wall_s"), "epoch_s": report.get("epoch_train_s"), "steps": report.get("steps")}
+        if "onpolicy" in report:  # the rounds' cost beside the offline run's
+            op = report["onpolicy"]
+            entry["onpolicy"] = {k: op[k] for k in ("extra_target_forwards", "extra_wall_s", "offline_wall_s",
+                                                    "decode_tau")}
     return entry
 
 
@@ -310,10 +314,10 @@ def main(argv=None) -> dict:
         scores = judge(args, heads, ps["ids"], args.out / set_name) if heads else {}
         kinds = {n: e["kind"] for n, e in entries.items()}
         one = {"prompts": ps["spec"], "n": len(ps["ids"]), "prompts_left_out_too_long": ps["too_long"],
-               **versus_peers(kinds, scores), "heads": scores}
+               **versus_peers(kinds, scores), "runs": every_run(kinds, scores), "heads": scores}
         result["sets"][set_name] = one
     report = result["sets"][REPORT]
-    result |= {k: report[k] for k in ("prompts", "n", "prompts_left_out_too_long", *VERSUS)}
+    result |= {k: report[k] for k in ("prompts", "n", "prompts_left_out_too_long", *VERSUS, "runs")}
     for name, e in entries.items():
         e.update(report["heads"].get(name, {}))
         secs = e.get("loop_s") or e.get("train_s")
