@@ -1,7 +1,7 @@
 """eagleray train CONFIG.yaml [key=value ...] — the trainer's run, then its on-policy rounds.
 
 With `onpolicy.rounds: 0` (the default) this is `python -m trainer`. With rounds, out_dir holds:
-  offline/     the trainer's run on data.shards, as `python -m trainer` makes it
+  offline/     the trainer's run on data.shards, as `python -m trainer` makes it (none with start_head)
   prompts/     the prompts: onpolicy.pipeline's ingest sources, every prompt the offline records hold left out
   round-NNN/   decode    the current head decodes the round's fresh prompts with our engine (Ray Data actors
                          over the target, `resources_per_actor`): the target's own answers (lossless) and the
@@ -193,12 +193,14 @@ def run_rounds(cfg: TrainConfig, path, overrides: list[str]) -> dict:
     offline_dir = storage.join(out, "offline")
 
     def offline():
+        if cfg.onpolicy.start_head is not None:  # the head an earlier run of this config exported
+            return {"head": str(storage.absolute(cfg.onpolicy.start_head))}
         rep = run_training(load_config(TrainConfig, path, overrides + [f"out_dir={offline_dir}", "onpolicy.rounds=0"]))
-        return {k: rep.get(k) for k in ("steps", "train_loop_s", "wall_s", "first_loss", "best")}
+        return {"head": str(storage.join(offline_dir, f"head_{fmt}")),
+                **{k: rep.get(k) for k in ("steps", "train_loop_s", "wall_s", "first_loss", "best")}}
 
-    state.run("offline", offline)
+    head = state.run("offline", offline)["head"]
     state.run("prompts", step_prompts, cfg, out)
-    head = str(storage.join(offline_dir, f"head_{fmt}"))
     for r in range(1, cfg.onpolicy.rounds + 1):
         state.run(f"round-{r:03d}.decode", step_decode, cfg, out, r, head, max_new)
         state.run(f"round-{r:03d}.data", step_data, cfg, out, r)
@@ -215,7 +217,7 @@ def write_report(cfg: TrainConfig, out, steps: dict) -> dict:
               for r in range(1, cfg.onpolicy.rounds + 1)]
     forwards = sum(x["decode"]["target_forwards"] + x["data"]["target_forwards"] for x in rounds)
     extra_s = sum(x[p]["seconds"] for x in rounds for p in ("decode", "data", "train")) + steps["prompts"]["seconds"]
-    report = {"steps": steps["offline"]["steps"], "best": rounds[-1]["train"]["best"],
+    report = {"steps": steps["offline"].get("steps"), "best": rounds[-1]["train"]["best"],
               "train_loop_s": (steps["offline"].get("train_loop_s") or 0)
               + sum(x["train"].get("train_loop_s") or 0 for x in rounds),
               "wall_s": steps["offline"]["seconds"] + extra_s, "exports": [f"head_{f}" for f in cfg.export_formats],

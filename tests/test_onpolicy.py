@@ -97,3 +97,20 @@ def test_a_finished_run_is_not_redone(rounds_run):
     t0 = time.time()
     again = main([str(cfg)])
     assert again["onpolicy"]["rounds"] == report["onpolicy"]["rounds"] and time.time() - t0 < 30
+
+
+def test_rounds_start_from_a_given_head_without_an_offline_run(tmp_path, ray_cluster, pipeline_run, tiny_target,
+                                                                tiny_head):
+    out = tmp_path / "run"
+    cfg = write_yaml(tmp_path / "t.yaml", {
+        "target": str(tiny_target), "out_dir": str(out), "export_formats": ["sglang"],
+        "data": {"shards": str(pipeline_run / "capture"), "max_rows_per_batch": 4, "val_rows": 2},
+        "model": {"ttt_length": 3}, "epochs": 1,
+        "scaling": {"num_workers": 1, "cpus_per_worker": 1, "threads_per_worker": TEST_THREADS},
+        "onpolicy": {"rounds": 1, "pipeline": str(pipeline_run / "cfg.yaml"), "records_per_round": 6,
+                     "max_new_tokens": 16, "start_head": str(tiny_head), "threads_per_actor": TEST_THREADS}})
+    report = main([str(cfg)])
+    state = json.loads((out / "state.json").read_text())
+    assert not (out / "offline").exists() and state["offline"]["head"] == str(tiny_head)
+    assert state["round-001.train"]["init_from"] == str(tiny_head) and report["steps"] is None
+    assert report["onpolicy"]["rounds"][0]["decode"]["records"] == 6 and (out / "head_sglang" / "config.json").is_file()

@@ -181,6 +181,8 @@ class OnPolicy(StrictModel):
     rounds: int = Field(0, ge=0, description="rounds after the offline run (0: off)")
     pipeline: ExistingPath | None = Field(
         None, description="pipeline YAML: its ingest sources give the prompts, tokenize/capture/vocab the shards")
+    start_head: InputLocation | None = Field(
+        None, description="an exported head the rounds start from, in place of an offline run of this config")
     records_per_round: int = Field(256, gt=0, description="fresh prompts decoded per round")
     mode: Literal["tree", "chain"] = Field("tree", description="the rounds' decode: a tree or a chain")
     top_k: int = Field(4, gt=0, description="tree: children kept per node")

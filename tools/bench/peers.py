@@ -324,8 +324,14 @@ def main(argv=None) -> dict:
         if secs and e["status"] == "ok":  # per second of the training loop where the trainer says it
             e["tokens_per_s"] = round(tokens * args.epochs / secs, 1)
             e["token_ttt_steps_per_s"] = round(tokens * args.epochs * e["ttt_steps"] / secs, 1)
-        if e.get("vllm_tau_k3") and e.get("train_s"):  # what a user's hour of training buys, wall time
-            e["tau_gain_per_train_hour"] = round((e["vllm_tau_k3"] - 1) * 3600 / e["train_s"], 2)
+        base = entries.get("eagleray", {})
+        if any(o.startswith("onpolicy.start_head=") for o in e.get("overrides", [])):  # rounds on the default's head
+            e["train_s_with_start"] = round(e["train_s"] + base.get("train_s", 0), 1)
+            if e.get("vllm_tau_k3") and base.get("vllm_tau_k3"):  # the rounds' gain per hour they cost
+                e["extra_tau_per_extra_hour"] = round((e["vllm_tau_k3"] - base["vllm_tau_k3"]) * 3600 / e["train_s"], 2)
+        secs = e.get("train_s_with_start") or e.get("train_s")
+        if e.get("vllm_tau_k3") and secs:  # what a user's hour of training buys, wall time
+            e["tau_gain_per_train_hour"] = round((e["vllm_tau_k3"] - 1) * 3600 / secs, 2)
     for key, out in (("token_ttt_steps_per_s", "eagleray_vs_fastest_peer_speed"),
                      ("tau_gain_per_train_hour", "eagleray_vs_best_peer_per_hour")):
         peer = [e[key] for e in entries.values() if e["kind"] in PEER_KINDS and key in e]
