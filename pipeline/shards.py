@@ -97,3 +97,29 @@ def drop_ids(batch: pa.Table, ids: list[str]) -> pa.Table:
     import pyarrow.compute as pc
 
     return batch.filter(pc.invert(pc.is_in(batch["id"], value_set=pa.array(ids, pa.string()))))
+
+
+def join_captures(first, second, out) -> dict:
+    """One capture folder `out` holding the shards of `first`, then `second`'s (renamed in that order), with
+    `second`'s draft vocabulary, which must cover both (an on-policy round's capture: its vocab stage
+    counts the offline tokens too) -> its manifest. Refuses, naming the field, captures whose signatures
+    differ. A trainer reading `out` sees the rows of both, its held-out rows the last of `second`'s."""
+    from pipeline.vocab import VOCAB_FILE
+
+    a, b = read_manifest(first), read_manifest(second)
+    why = signature_mismatch(a, {k: b[k] for k in SIGNATURE_FIELDS if k in b})
+    if why:
+        raise ValueError(f"join_captures: {storage.redact(first)}: {why} ({storage.redact(second)}'s)")
+    shards = []
+    for src, entries in ((first, a["shards"]), (second, b["shards"])):
+        for s in entries:
+            name = shard_name(len(shards))
+            storage.write_bytes(storage.join(out, name), storage.read_bytes(storage.join(src, s["file"])))
+            shards.append(dict(s, file=name))
+    for f in (VOCAB_FILE, "vocab_stats.json"):
+        if storage.is_file(storage.join(second, f)):
+            storage.write_bytes(storage.join(out, f), storage.read_bytes(storage.join(second, f)))
+    manifest = dict(b, shards=shards, **{k: a[k] + b[k] for k in ("rows", "tokens", "bytes", "raw_hidden_bytes")
+                                         if k in a and k in b}, joined=[str(first), str(second)])
+    storage.write_text(storage.join(out, MANIFEST), json.dumps(manifest, indent=2))
+    return manifest

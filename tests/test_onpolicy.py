@@ -114,3 +114,24 @@ def test_rounds_start_from_a_given_head_without_an_offline_run(tmp_path, ray_clu
     assert not (out / "offline").exists() and state["offline"]["head"] == str(tiny_head)
     assert state["round-001.train"]["init_from"] == str(tiny_head) and report["steps"] is None
     assert report["onpolicy"]["rounds"][0]["decode"]["records"] == 6 and (out / "head_sglang" / "config.json").is_file()
+
+
+def test_the_offline_and_a_rounds_capture_join_into_one(rounds_run, pipeline_run, tmp_path):
+    import shutil
+
+    from pipeline.shards import join_captures
+
+    out, _, _ = rounds_run
+    offline, rnd = pipeline_run / "capture", out / "round-001" / "data" / "capture"
+    m = join_captures(offline, rnd, tmp_path / "joined")
+    files = sorted((tmp_path / "joined").glob("shard-*.parquet"))
+    assert m["rows"] == 64 + 12 == sum(pq.ParquetFile(f).metadata.num_rows for f in files) == read_manifest(tmp_path / "joined")["rows"]
+    assert [s["file"] for s in m["shards"]] == [f.name for f in files]
+    assert pq.read_table(files[-1]).column("id").to_pylist() == pq.read_table(sorted(rnd.glob("shard-*"))[-1]).column("id").to_pylist()
+    assert (tmp_path / "joined" / "draft_vocab.safetensors").read_bytes() == (rnd / "draft_vocab.safetensors").read_bytes()
+    other = tmp_path / "other"
+    shutil.copytree(rnd, other)
+    bad = json.loads((other / "manifest.json").read_text()) | {"hidden_size": 999}
+    (other / "manifest.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="hidden_size"):
+        join_captures(offline, other, tmp_path / "nope")

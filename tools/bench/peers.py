@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.shards import read_manifest
+from pipeline.shards import join_captures, read_manifest
 from pipeline.yaml_config import load_config
 from tools.bench.peer_envs import specforge_bench, speculators_prep
 from tools.bench.peer_judging import PEER_KINDS, REPORT, VERSUS, every_run, judge, prompt_sets, versus_peers
@@ -236,6 +236,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--peer-runs", choices=["both", "defaults", "aligned", "dflash"], default="both",
                     help="each peer's EAGLE-3 with its own defaults, aligned to ours, or both (the default); "
                          "dflash: none of those, only speculators' DFlash beside each DFlash run of ours")
+    ap.add_argument("--add-capture", type=Path, help="a second capture (an on-policy round's): every run trains "
+                    "on both, joined in OUT/capture (pipeline/shards.py join_captures)")
     ap.add_argument("--ours-config", type=Path, default=ROOT / "configs/trainer/demo.yaml")
     ap.add_argument("--ours", action="append", default=[], metavar="NAME:key=value,...",
                     help="another run of our trainer with these overrides (repeatable)")
@@ -270,6 +272,9 @@ def main(argv=None) -> dict:
     args = parse(argv)
     args.target, args.capture = args.target.resolve(), args.capture.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.add_capture:  # both captures' rows, for ours and the peers alike
+        join_captures(args.capture, args.add_capture.resolve(), args.out / "capture")
+        args.capture = args.out / "capture"
     ours_cfg = args.ours_cfg = load_config(TrainConfig, args.ours_config,
                                            [f"target={args.target}", f"data.shards={args.capture}"])
     sets = prompt_sets(args, ours_cfg.data.val_rows)
