@@ -37,10 +37,12 @@ class RoundDecoder:
 
         if threads:
             torch.set_num_threads(threads)
-        self.gen = EagleGenerator.from_folders(storage.node_copy(target), storage.node_copy(head),
-                                               dtype=torch_dtype(dtype, "cpu"))
+        from trainer.export import head_version
+
+        local = storage.node_copy(head)
+        self.gen = EagleGenerator.from_folders(storage.node_copy(target), local, dtype=torch_dtype(dtype, "cpu"))
         self.settings = SpecSettings(**settings)
-        self.version = storage.name(head)
+        self.version = head_version(local)
 
     def __call__(self, batch: dict) -> dict:
         from pipeline.served import served_row
