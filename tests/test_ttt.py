@@ -130,7 +130,7 @@ def random_batch(head, b: int, t: int, seed: int):
 
 
 def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay, off_vocab="drop", hard=False,
-                   dpace=None, terms_out=None):
+                   dpace=None, terms_out=None, ranks_out=None):
     """Position by position, step by step: each query's keys listed explicitly. dpace: each start position's
     steps weighed by sum_{j>=s, counted} prod_{i<=j} ((1 - dpace) * p_i + dpace), p_i the draft's
     probability of the target's top draft-vocab token at step i (1 where step i is not counted)."""
@@ -170,6 +170,10 @@ def naive_ttt_loss(head, aux, emb, target_p, target_am, loss_mask, steps, decay,
                 if terms_out is not None:  # (row, position, step) -> (term, draft argmax == target argmax)
                     d = int(lp.argmax())
                     terms_out[(bi, i, s)] = (float(term), d + int(head.d2t[d]) == int(target_am[bi, j]))
+                if ranks_out is not None:  # (row, position, step) -> the target argmax's rank in the draft's order
+                    ids = lp.argsort(descending=True)
+                    hit = ((ids + head.d2t[ids]) == target_am[bi, j]).nonzero()
+                    ranks_out[(bi, i, s)] = int(hit[0]) if len(hit) else len(ids)
                 loss_s = loss_s + term
         denoms.append(b * t)
         total = total + decay ** s * loss_s / denoms[-1]

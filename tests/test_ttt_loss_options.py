@@ -121,3 +121,23 @@ def test_loss_norm_tokens_is_each_steps_mean():
     got = TTTObjective(head, steps, 0.8, off_vocab="keep", loss_norm="tokens")(
         aux, emb, *compact_targets(tlogits, mask, head.t2d), mask)["loss"].item()
     assert abs(got - want) < 1e-9
+
+
+@pytest.mark.parametrize("k", [6, 8])
+def test_align_topk_counts_only_the_reached_chains(k):
+    """model.align_topk k (GRIFFIN's mask): step s counts position i only where steps 0..s-1 at i were counted
+    and ranked the target's token within their top k; the loss is the naive loop's terms on those rows."""
+    head = tiny_head()
+    b, t, steps, decay = 2, 12, 3, 0.8
+    aux, emb, tlogits, p, am = random_batch(head, b, t, 7)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1]])
+    terms, ranks = {}, {}
+    naive_ttt_loss(head, aux, emb, p, am, mask, steps, decay, "drop", terms_out=terms, ranks_out=ranks)
+    reached = {key for key in terms if all(ranks.get((key[0], key[1], s), k) < k for s in range(key[2]))}
+    deep = [key for key in reached if key[2] > 0]
+    assert len(deep) >= 2 and len(reached) < len(terms)
+    want = sum(decay ** key[2] * terms[key][0] for key in reached) / (b * t)
+    out = TTTObjective(head, steps, decay, align_topk=k)(aux, emb, *compact_targets(tlogits, mask, head.t2d), mask)
+    assert abs(out["loss"].item() - want) < 1e-9
+    base = TTTObjective(head, steps, decay)(aux, emb, *compact_targets(tlogits, mask, head.t2d), mask)
+    assert abs(out["step_loss"][0].item() - base["step_loss"][0].item()) < 1e-12

@@ -99,6 +99,9 @@ class Model(StrictModel):
     rejection_boost: float = Field(
         0.0, ge=0, description="eagle3: rows where the head's chain decode of the row would be rejected weigh "
                                "1 + this (0: off)")
+    align_topk: int = Field(
+        0, ge=0, description="eagle3: step s counts a position only where steps < s had the target token "
+                             "in their top k (0: off)")
     dpace_alpha: float = Field(
         0.5, gt=0, le=1, description="D-PACE's confidence smoothing: (1 - alpha) p + alpha")
     num_layers: int | None = Field(
@@ -142,6 +145,8 @@ class Model(StrictModel):
             raise ValueError(f"loss: {self.loss} needs labels: soft and position_weight: decay")
         if self.loss_norm == "tokens" and (self.kind != "eagle3" or self.position_weight != "decay"):
             raise ValueError("loss_norm: tokens is for an eagle3 head with position_weight: decay")
+        if self.align_topk and self.kind != "eagle3":
+            raise ValueError("align_topk: an eagle3 head (TTT steps)")
         if self.rejection_boost and (self.kind != "eagle3" or self.position_weight != "decay"):
             raise ValueError("rejection_boost: an eagle3 head with position_weight: decay")
         if self.kind == "eagle3" and self.block_causal:

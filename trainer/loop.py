@@ -104,7 +104,7 @@ class HeadTrainer:
             return DFlashObjective(head, mask, m.anchors, m.decay_gamma, m.off_vocab, self.cfg.seed, m.labels, dpace,
                                   m.loss)
         return TTTObjective(head, m.ttt_length, m.decay, m.attention, m.compile, m.off_vocab, m.labels, dpace,
-                             m.loss, m.rejection_boost, m.loss_norm)
+                             m.loss, m.rejection_boost, m.loss_norm, m.align_topk)
 
     def _engine(self, objective):
         import deepspeed

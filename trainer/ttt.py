@@ -184,6 +184,13 @@ def step_correct(draft_logits: torch.Tensor, d2t: torch.Tensor, target_argmax: t
     return (draft_ids + d2t[draft_ids]) == target_argmax
 
 
+def topk_hit(draft_logits: torch.Tensor, d2t: torch.Tensor, target_argmax: torch.Tensor, k: int) -> torch.Tensor:
+    """Per position: the target's argmax is among the draft's k likeliest tokens (mapped to target ids), so a
+    tree node expanded to its top k children holds the token verification accepts."""
+    ids = draft_logits.topk(min(k, draft_logits.shape[-1]), dim=-1).indices
+    return ((ids + d2t[ids]) == target_argmax[:, None]).any(-1)
+
+
 def simulated_tau(step_acc: list[float]) -> float:
     """Chain acceptance length from per-step accuracies: 1 + a0 + a0*a1 + ... (the bonus token is
     always there; step s is reached only if steps 0..s-1 were accepted)."""
@@ -258,7 +265,7 @@ class TTTObjective(nn.Module):
     def __init__(self, head: nn.Module, ttt_length: int, decay: float, attention: str = "auto",
                  compile: bool = False, off_vocab: str = "drop", labels: str = "soft",
                  dpace_alpha: float | None = None, loss: str = "kl", rejection_boost: float = 0.0,
-                 loss_norm: str = "positions"):
+                 loss_norm: str = "positions", align_topk: int = 0):
         """Each step's loss sum is divided by every position of the batch (padding and prompt included).
         off_vocab: where the target's argmax is outside the draft vocabulary, "drop" the position from the
         loss, or "keep" it (the target's distribution over the draft vocab). labels: "soft" (the target's
@@ -268,7 +275,9 @@ class TTTObjective(nn.Module):
         each row where this batch's chain decode would be rejected (`round_rejections`, from the current
         head's own steps) weighs 1 + rejection_boost (0: off), the rest 1. loss_norm: each step's row sum is
         divided by every position of the batch ("positions"), or by the rows the step counts ("tokens":
-        speculators' mean; with the decay weights)."""
+        speculators' mean; with the decay weights). align_topk k (GRIFFIN's token-alignable training, ARCHITECTURE.md
+        §6): step s counts position i only where every earlier step at i held the target's token in its top k
+        (`topk_hit`): the rows a top-k tree decode reaches; 0: off."""
         super().__init__()
         self.head, self.ttt_length, self.weights = head, ttt_length, step_weights(ttt_length, decay)
         self.keep_off_vocab = off_vocab == "keep"
@@ -279,7 +288,7 @@ class TTTObjective(nn.Module):
             raise ValueError("model.rejection_boost: with position_weight: decay (D-PACE weighs rows itself)")
         if loss_norm == "tokens" and dpace_alpha is not None:
             raise ValueError("model.loss_norm: tokens with position_weight: decay")
-        self.boost, self.per_token = rejection_boost, loss_norm == "tokens"
+        self.boost, self.per_token, self.align_topk = rejection_boost, loss_norm == "tokens", align_topk
         self.flash = {"auto": None, "flash": True, "blocked": False}[attention]
         self.step_loss = step_loss
         if compile:
@@ -307,6 +316,7 @@ class TTTObjective(nn.Module):
         total = aux.new_zeros((), dtype=torch.float32)
         positions = loss_mask.numel()
         losses, correct, counted, parts = [], [], [], []
+        reached = torch.ones(positions, dtype=torch.bool, device=loss_mask.device)  # align_topk's chains
         for s, x in enumerate(ttt_unroll(self.head, aux, emb, self.ttt_length, self.flash)):
             sel = shift_left(loss_mask, 2 + s).flatten().nonzero().squeeze(1)
             rows = shift_left(target_row, 1 + s, fill=-1).flatten()[sel]
@@ -314,6 +324,8 @@ class TTTObjective(nn.Module):
             tgt_am = target_argmax[rows]
             weight = (torch.ones_like(tgt_am, dtype=logits.dtype) if self.keep_off_vocab
                       else self.head.t2d[tgt_am].to(logits.dtype))
+            if self.align_topk:
+                weight, reached = self._aligned(weight, reached, sel, logits, tgt_am)
             if self.loss != "kl":
                 elem, conf = lk_losses(self.loss, logits, target_p[rows], weight), None
             elif self.hard or self.dpace_alpha is not None or self.boost:
@@ -336,6 +348,15 @@ class TTTObjective(nn.Module):
             total = total + self._rejection_total(parts, loss_mask)
         return {"loss": total, "step_loss": torch.stack(losses), "step_correct": torch.stack(correct).float(),
                 "step_count": torch.stack(counted).float()}
+
+    def _aligned(self, weight, reached, sel, logits, tgt_am):
+        """align_topk: this step's row weights times whether its chain was reached, and the chains the next
+        step reaches (those counted here whose target token is in the draft's top k)."""
+        now = reached[sel]
+        nxt = torch.zeros_like(reached)
+        with torch.no_grad():
+            nxt[sel] = now & topk_hit(logits, self.head.d2t, tgt_am, self.align_topk)
+        return weight * now.to(weight.dtype), nxt
 
     def _rejection_total(self, parts: list, loss_mask: torch.Tensor) -> torch.Tensor:
         """sum over steps s of decay ** s * sum_rows (1 + boost * rejected[row, s]) * loss / the step's norm."""
