@@ -275,7 +275,7 @@ class TTTObjective(nn.Module):
         each row where this batch's chain decode would be rejected (`round_rejections`, from the current
         head's own steps) weighs 1 + rejection_boost (0: off), the rest 1. loss_norm: each step's row sum is
         divided by every position of the batch ("positions"), or by the rows the step counts ("tokens":
-        speculators' mean; with the decay weights). align_topk k (GRIFFIN's token-alignable training, ARCHITECTURE.md
+        speculators' mean; with the decay weights). align_topk k (GRIFFIN's token alignment, ARCHITECTURE.md
         §6): step s counts position i only where every earlier step at i held the target's token in its top k
         (`topk_hit`): the rows a top-k tree decode reaches; 0: off."""
         super().__init__()
