@@ -45,9 +45,11 @@ class RoundDecoder:
         self.version = head_version(local)
 
     def __call__(self, batch: dict) -> dict:
+        import ray
+
         from pipeline.served import served_row
 
-        rows = []
+        node, rows = ray.get_runtime_context().get_node_id(), []
         for rid, messages in zip(batch["id"], batch["messages"]):
             msgs = json.loads(messages)
             ids = self.gen.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
@@ -58,7 +60,7 @@ class RoundDecoder:
                 request_id=rid, model="onpolicy", route="chat", messages=msgs, prompt_tokens=len(ids),
                 output_ids=g.tokens, output_text=g.text, finish_reason=g.finish_reason or "length", temperature=0.0,
                 depth=st.depth, accepted=st.accepted, round_starts=st.round_starts, tau=st.tau,
-                head_version=self.version, started_at=t0, finished_at=time.time()) | {"rounds": st.rounds})
+                head_version=self.version, started_at=t0, finished_at=time.time()) | {"rounds": st.rounds, "node": node})
         return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
 
 
@@ -120,7 +122,9 @@ def step_decode(cfg: TrainConfig, out, r: int, head: str, max_new: int) -> dict:
     settings = {"mode": op.mode, "top_k": op.top_k, "depth": op.depth, "total_tokens": op.total_tokens,
                 "sizing": "fixed", "max_new_tokens": max_new}
     ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 4 * op.num_actors)))
-    rows = ds.map_batches(RoundDecoder, batch_size=4, concurrency=op.num_actors, num_cpus=op.cpus_per_actor,
+    # one batch in flight per actor: a batch waits for a free actor, not behind another's long decode
+    pool = ray.data.ActorPoolStrategy(size=op.num_actors, max_tasks_in_flight_per_actor=1)
+    rows = ds.map_batches(RoundDecoder, batch_size=4, compute=pool, num_cpus=op.cpus_per_actor,
                           resources=op.resources_per_actor or None,
                           fn_constructor_kwargs={"target": str(cfg.target), "head": str(head), "dtype": op.dtype,
                                                  "threads": op.threads_per_actor or max(1, int(op.cpus_per_actor)),
@@ -131,7 +135,7 @@ def step_decode(cfg: TrainConfig, out, r: int, head: str, max_new: int) -> dict:
     storage.write_bytes(storage.join(out, f"round-{r:03d}", "decode", "records.parquet"), buf.getvalue())
     tokens, verify = sum(len(x["output_ids"]) for x in rows), sum(int(x["rounds"]) for x in rows)
     return {"records": len(rows), "tokens": tokens, "target_forwards": verify + len(rows),
-            "tau": round(tokens / max(1, verify), 4)}
+            "tau": round(tokens / max(1, verify), 4), "nodes": len({x["node"] for x in rows})}
 
 
 def step_data(cfg: TrainConfig, out, r: int) -> dict:
@@ -189,7 +193,8 @@ def run_rounds(cfg: TrainConfig, path, overrides: list[str]) -> dict:
 
     out, fmt = storage.absolute(cfg.out_dir), cfg.export_formats[0]
     print(f"[onpolicy] {ensure_ray(cfg.ray_address)}", flush=True)
-    check_shared({"out_dir": out, "data.shards": cfg.data.shards, "target": cfg.target})
+    check_shared({"out_dir": out, "data.shards": cfg.data.shards, "target": cfg.target,
+                  "onpolicy.start_head": cfg.onpolicy.start_head})
     max_new = cfg.onpolicy.max_new_tokens or load_config(PipelineConfig, cfg.onpolicy.pipeline).regenerate.max_new_tokens
     state = State(out)
     offline_dir = storage.join(out, "offline")

@@ -9,7 +9,7 @@ from infer.cluster.cli import main
 
 ROWS = {"rows_expected": 64, "rows_found": 64, "duplicates": 0, "digests_equal": True}
 GOOD = {"jobs": {"pipeline": "SUCCEEDED", "trainer": "SUCCEEDED", "eval": "SUCCEEDED", "serve": "SUCCEEDED",
-                  "serve_vllm": "SUCCEEDED", "flywheel": "SUCCEEDED"},
+                  "serve_vllm": "SUCCEEDED", "flywheel": "SUCCEEDED", "onpolicy": "SUCCEEDED"},
         "faults": {**{s: {"job": "SUCCEEDED", "killed": True, "running_at_kill": True, **ROWS}
                       for s in FAULT_STAGES[:5] + ("eval",)},
                    "training": {"job": "SUCCEEDED", "killed": True, "resumed_from_step": 20, "steps_logged_twice": 0,
@@ -17,7 +17,8 @@ GOOD = {"jobs": {"pipeline": "SUCCEEDED", "trainer": "SUCCEEDED", "eval": "SUCCE
                    "serving": {"job": "SUCCEEDED", "killed": True, "requests_after": 30, "failed_after": 0}},
         "private_disks_asked": True, "isolation": {"private_disks": True},
         "serve_vllm": {"failed": 0, "drafts": 12.0, "same_answers_after_restart": True, "replicas_back": True},
-        "flywheel": {"promoted": True, "swapped": True, "replica_nodes": 2, "replicas_on_new_head": 2}}
+        "flywheel": {"promoted": True, "swapped": True, "replica_nodes": 2, "replicas_on_new_head": 2},
+        "onpolicy": {"records": 8, "actor_nodes": 2, "decode_nodes": 1, "rows": 8, "exported": True}}
 
 
 def broken(path, value):
@@ -58,6 +59,10 @@ def test_a_late_kill_shared_disks_or_a_served_job_short_of_its_goal_fail_the_che
     assert not verdict(broken(("flywheel", "replica_nodes"), 1), list(FAULT_STAGES))
     assert not verdict(broken(("flywheel", "promoted"), False), list(FAULT_STAGES))
     assert not verdict(broken(("jobs", "flywheel"), "FAILED"), list(FAULT_STAGES))
+    assert not verdict(broken(("onpolicy", "actor_nodes"), 1), list(FAULT_STAGES))  # both actors on one node
+    assert not verdict(broken(("onpolicy", "records"), 7), list(FAULT_STAGES))  # a prompt lost
+    assert not verdict(broken(("onpolicy", "exported"), False), list(FAULT_STAGES))
+    assert not verdict(broken(("jobs", "onpolicy"), "FAILED"), list(FAULT_STAGES))
 
 
 def test_unknown_fault_stage_is_named(capsys):

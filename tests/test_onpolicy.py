@@ -67,6 +67,7 @@ def test_rounds_decode_fresh_prompts_losslessly_and_count_their_cost(rounds_run,
     for r, rnd in enumerate(op["rounds"], 1):
         dec = rnd["decode"]
         assert dec["records"] == 12 and 1.0 < dec["tau"] <= 4.0  # the head drafts: more than a token a forward
+        assert dec["nodes"] == 1  # the one local node (the cluster check sees two)
         assert dec["target_forwards"] == dec["records"] + round(dec["tokens"] / dec["tau"])
         assert rnd["data"]["rows"] == 12 == read_manifest(out / f"round-{r:03d}" / "data" / "capture")["rows"]
     assert op["extra_target_forwards"] == sum(x["decode"]["target_forwards"] + 12 for x in op["rounds"])

@@ -100,6 +100,18 @@ def test_shards_from_another_target_are_refused(tmp_path, pipeline_run, tiny_tar
         check_manifest(bad, TargetSpec.read(tiny_target))
 
 
+def test_held_out_rows_that_leave_none_to_train_on_are_refused(pipeline_run):
+    """A round of 8 records under `val_rows: 8` trained zero steps and failed looking for a head it never
+    wrote (a cluster check's on-policy round): now refused before any work, naming the key."""
+    from pipeline.shards import read_manifest
+    from trainer.sources import check_training_rows, parquet_data
+
+    rows = read_manifest(pipeline_run / "capture")["rows"]
+    with pytest.raises(ValueError, match=f"data.val_rows: {rows} held-out rows of {rows} leave none to train on"):
+        parquet_data(pipeline_run / "capture", rows)
+    check_training_rows(rows, rows - 1)  # one row left to train on passes
+
+
 def test_two_workers_trade_rows_and_replay_the_cached_epoch(tmp_path, ray_cluster, pipeline_run, tiny_target):
     """2 workers, 2 epochs: with rows moved between the ranks at every pool (the pools planned together),
     each epoch still trains every row once (row count and id-hash tally over both ranks), and the second

@@ -73,9 +73,17 @@ def read_shards(files: list[str]):
         del os.environ[FOOTER_READERS_ENV]
 
 
+def check_training_rows(rows: int, n_val: int) -> None:
+    """Refuses, in one line, held-out rows that leave none to train on (a run of zero steps has no head)."""
+    if rows - n_val < 1:
+        raise ValueError(f"data.val_rows: {n_val} held-out rows of {rows} leave none to train on; "
+                         f"set it below {rows}")
+
+
 def parquet_data(shards, n_val: int, replay=None) -> TrainingData:
     manifest = read_manifest(shards)
     files = shard_files(shards, manifest)
+    check_training_rows(manifest["rows"], n_val)
     val = val_rows(files, n_val) if n_val else storage.read_table(files[0]).slice(0, 0)
     held = val["id"].to_pylist()
     vocab_dir = storage.Mirror(shards).pull(VOCAB_FILE).parent
@@ -127,6 +135,7 @@ def stream_data(cfg: TrainConfig, hybrid: bool) -> TrainingData:
     signature = make_signature(pcfg.target, cap, tokens_max_length(tokens))
     n = storage.parquet_file(tokens).metadata.num_rows
     ranges = shard_ranges(n, cap.rows_per_shard)
+    check_training_rows(n, cfg.data.val_rows)
     k = min(cfg.data.val_rows, n)
     if k:
         val_ds = capture_dataset(cap, pcfg.target, tokens, [(-1, n - k, n)], signature)

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from infer.cluster.isolation import prove_isolation
-from infer.cluster.jobs import (BUCKET, eval_tree, latest_step, make_inputs, node_rss_mb, pipeline_tree, read_json,
-                                run_job, shard_digests, throughput, train_tree, write_yaml)
+from infer.cluster.jobs import (BUCKET, eval_tree, latest_step, make_inputs, node_rss_mb, onpolicy_round, pipeline_tree,
+                                read_json, run_job, shard_digests, throughput, train_tree, write_yaml)
 from infer.cluster.local import LocalCluster, S3Server
 from infer.cluster.serving import flywheel, serve_fault, serve_vllm
 from pipeline import storage
@@ -250,13 +250,15 @@ def downstream_faults(cl: LocalCluster, out: Path, target: str, stages, result: 
 
 
 def served_jobs(cl: LocalCluster, out: Path, target: str, corpus: str, args, result: dict) -> None:
-    """The vllm backend (a worker killed under it) and one flywheel round against the eagleray backend,
-    both from the trained head."""
+    """The vllm backend (a worker killed under it), one flywheel round against the eagleray backend, then
+    one on-policy training round (Serve stopped: its replicas hold the worker nodes), all from the trained head."""
     head = f"{BUCKET}/train/head_speculators"
     if getattr(args, "vllm", True):
         result["jobs"]["serve_vllm"], result["serve_vllm"] = serve_vllm(cl, out, target, head)
     if getattr(args, "flywheel", True):
         result["jobs"]["flywheel"], result["flywheel"] = flywheel(cl, out, target, head, corpus)
+    if getattr(args, "onpolicy", True):
+        result["jobs"]["onpolicy"], result["onpolicy"] = onpolicy_round(cl, out, target, corpus)
 
 
 def run_check(args) -> dict:
@@ -302,8 +304,12 @@ def run_check(args) -> dict:
 
 def served_ok(result: dict) -> bool:
     """The vllm backend answered every request, the same before and after its replica's node was lost, and
-    drafted with the head; the flywheel promoted a head that both replicas, on two nodes, then served."""
-    v, fw = result.get("serve_vllm"), result.get("flywheel")
+    drafted with the head; the flywheel promoted a head that both replicas, on two nodes, then served; the
+    on-policy round decoded every prompt on actors on both worker nodes, captured them, exported its head."""
+    v, fw, op = result.get("serve_vllm"), result.get("flywheel"), result.get("onpolicy")
+    if op is not None and not (op.get("records") == 8 and op.get("actor_nodes") == 2 and op.get("rows")
+                               and op.get("exported")):
+        return False
     if v is not None and (v.get("failed") or not v.get("drafts") or not v.get("same_answers_after_restart")
                           or not v.get("replicas_back")):
         return False

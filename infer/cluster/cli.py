@@ -6,7 +6,7 @@
     eagleray cluster check --fault-stages capture,vocab --head-kill   # only those faults; and a lost head
     eagleray cluster check --throughput     # and tokens/s on one worker node against two
     eagleray cluster up --private-disks     # each worker node with disks of its own (check: on by default)
-    eagleray cluster check --no-vllm --no-flywheel   # leave out the vllm backend and the flywheel round
+    eagleray cluster check --no-vllm --no-flywheel --no-onpolicy   # leave out the vllm backend and the rounds
 """
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ def main(argv=None) -> dict:
                     help="check: serve the head on the vllm backend too, a worker killed under it (~4 min)")
     ap.add_argument("--flywheel", action=argparse.BooleanOptionalAction, default=True,
                     help="check: one flywheel round against the served endpoint, its swap on both replicas (~5 min)")
+    ap.add_argument("--onpolicy", action=argparse.BooleanOptionalAction, default=True,
+                    help="check: one on-policy training round, its decode on both worker nodes (~3 min)")
     args = ap.parse_args(argv)
     if args.private_disks is None:
         args.private_disks = args.action == "check"

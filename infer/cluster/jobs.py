@@ -98,6 +98,31 @@ def train_tree(out_dir: str, target: str, shards: str) -> dict:
                         "resources_per_worker": ON_WORKERS, "max_failures": 3}}
 
 
+def onpolicy_round(cl: LocalCluster, out: Path, target: str, corpus: str) -> tuple[str, dict]:
+    """`eagleray train` with one on-policy round as a job: the trained head decodes 8 fresh corpus prompts on
+    Ray Data actors, one per worker node (`resources_per_actor`), the round's shards and warm start at S3.
+    actor_nodes: the nodes the decode's actors were placed on; decode_nodes: those that decoded rows (an
+    actor that starts last may find every prompt taken)."""
+    out_dir = f"{BUCKET}/onpolicy"
+    pipe = write_yaml(out / "onpolicy_pipeline.yaml", pipeline_tree(f"{BUCKET}/unused", target, corpus, 8, regenerate=False))
+    tree = train_tree(out_dir, target, f"{BUCKET}/pipeline/capture") | {"max_steps": 20, "checkpoint_every": 20,
+                                                                        "eval_every": 20}
+    tree["data"] |= {"val_rows": 2}  # of the round's 8 rows
+    tree["onpolicy"] = {"rounds": 1, "pipeline": str(pipe), "start_head": f"{BUCKET}/train/head_speculators",
+                        "records_per_round": 8, "max_new_tokens": 24, "num_actors": 2, "cpus_per_actor": 0.5,
+                        "threads_per_actor": 1, "resources_per_actor": ON_WORKERS}
+    cfg = write_yaml(out / "onpolicy.yaml", tree)
+    status, _ = run_job(cl, "onpolicy", ["python", "-m", "infer.onpolicy", str(cfg)], out, timeout_s=1200)
+    report = read_json(f"{out_dir}/report.json", {}).get("onpolicy", {})
+    r1 = (report.get("rounds") or [{}])[0]
+    decode, data = r1.get("decode", {}), r1.get("data", {})
+    return status, {"steps": list(read_json(f"{out_dir}/state.json", {})), "records": decode.get("records"),
+                    "actor_nodes": len(set(cl.actor_nodes("RoundDecoder"))), "decode_nodes": decode.get("nodes"),
+                    "decode_tau": decode.get("tau"), "rows": data.get("rows"),
+                    "extra_target_forwards": report.get("extra_target_forwards"),
+                    "exported": storage.is_file(f"{out_dir}/head_speculators/config.json")}
+
+
 def latest_step(out_dir: str) -> int:
     """The newest checkpoint's step at the URI (Ray Train's storage), 0 before the first."""
     fs, path = storage.filesystem(f"{out_dir}/ray/train")

@@ -286,6 +286,13 @@ class LocalCluster:
         return [n.__dict__ if hasattr(n, "__dict__") else dict(n)
                 for n in list_nodes(address=self.dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)]
 
+    def actor_nodes(self, class_part: str) -> list[str]:
+        """The node of every actor, alive or ended, whose class name holds `class_part` (the state API)."""
+        from ray.util.state import list_actors
+
+        return [a.node_id for a in list_actors(address=self.dashboard, detail=True, limit=10000,
+                                               raise_on_missing_output=False) if class_part in a.class_name]
+
     def wait_alive(self, count: int, wait_s: float) -> list[dict]:
         deadline = time.time() + wait_s
         while True:
