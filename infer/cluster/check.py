@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 from infer.cluster.isolation import prove_isolation
-from infer.cluster.jobs import (BUCKET, eval_tree, latest_step, make_inputs, node_rss_mb, onpolicy_round, pipeline_tree,
-                                read_json, run_job, shard_digests, throughput, train_tree, write_yaml)
+from infer.cluster.jobs import (BUCKET, ONPOLICY_RECORDS, eval_tree, latest_step, make_inputs, node_rss_mb,
+                                onpolicy_round, pipeline_tree, read_json, run_job, shard_digests, throughput,
+                                train_tree, write_yaml)
 from infer.cluster.local import LocalCluster, S3Server
 from infer.cluster.serving import flywheel, serve_fault, serve_vllm
 from pipeline import storage
@@ -307,7 +308,7 @@ def served_ok(result: dict) -> bool:
     drafted with the head; the flywheel promoted a head that both replicas, on two nodes, then served; the
     on-policy round decoded every prompt on actors on both worker nodes, captured them, exported its head."""
     v, fw, op = result.get("serve_vllm"), result.get("flywheel"), result.get("onpolicy")
-    if op is not None and not (op.get("records") == 8 and op.get("actor_nodes") == 2 and op.get("rows")
+    if op is not None and not (op.get("records") == ONPOLICY_RECORDS and op.get("actor_nodes") == 2 and op.get("rows")
                                and op.get("exported")):
         return False
     if v is not None and (v.get("failed") or not v.get("drafts") or not v.get("same_answers_after_restart")

@@ -22,6 +22,7 @@ BUCKET = "s3://eagleray/check"
 
 ON_WORKERS = {"eagleray_worker": 1}
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+ONPOLICY_RECORDS = 8  # the check's on-policy round: fresh prompts decoded
 
 
 def write_yaml(path: Path, tree: dict) -> Path:
@@ -107,9 +108,9 @@ def onpolicy_round(cl: LocalCluster, out: Path, target: str, corpus: str) -> tup
     pipe = write_yaml(out / "onpolicy_pipeline.yaml", pipeline_tree(f"{BUCKET}/unused", target, corpus, 8, regenerate=False))
     tree = train_tree(out_dir, target, f"{BUCKET}/pipeline/capture") | {"max_steps": 20, "checkpoint_every": 20,
                                                                         "eval_every": 20}
-    tree["data"] |= {"val_rows": 2}  # of the round's 8 rows
+    tree["data"] |= {"val_rows": 2}  # of the round's rows
     tree["onpolicy"] = {"rounds": 1, "pipeline": str(pipe), "start_head": f"{BUCKET}/train/head_speculators",
-                        "records_per_round": 8, "max_new_tokens": 24, "num_actors": 2, "cpus_per_actor": 0.5,
+                        "records_per_round": ONPOLICY_RECORDS, "max_new_tokens": 24, "num_actors": 2, "cpus_per_actor": 0.5,
                         "threads_per_actor": 1, "resources_per_actor": ON_WORKERS}
     cfg = write_yaml(out / "onpolicy.yaml", tree)
     status, _ = run_job(cl, "onpolicy", ["python", "-m", "infer.onpolicy", str(cfg)], out, timeout_s=1200)
